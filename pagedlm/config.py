@@ -1,0 +1,99 @@
+"""Engine configuration: frozen, validated dataclasses. No torch here.
+
+Names follow vLLM's engine arguments where vLLM has one, so that a benchmark or a user
+can switch engines without relearning the knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+
+
+def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything a user can set when creating an engine (`LLM(**kwargs)`, CLI flags)."""
+
+    model: str | None = None  # HF directory, .gguf file; None = the embedded default
+    tokenizer: str | None = None  # overrides the model's tokenizer (directory or .gguf)
+    skip_tokenizer_init: bool = False
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    attention_backend: str = "torch"
+    num_threads: int | None = None  # CPU intra-op threads; None = torch's default
+    record_kv_usage: bool = False  # per-step allocated slots vs tokens held
+
+    def __post_init__(self) -> None:
+        dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
+        object.__setattr__(self, "dtype", dtype)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        _check_positive("block_size", self.block_size)
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_model_len", self.max_model_len, allow_none=True)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
+        _check_positive("num_threads", self.num_threads, allow_none=True)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.skip_tokenizer_init and self.tokenizer is not None:
+            raise ValueError("tokenizer and skip_tokenizer_init=True cannot be used together")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        _check_positive("max_num_seqs", self.max_num_seqs)
+        _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _check_positive("max_model_len", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
+            )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.block_size * self.num_blocks

@@ -1,0 +1,140 @@
+"""The pool that owns every KV cache block.
+
+A block is a fixed number (`block_size`) of token slots in every layer's K/V cache.
+The pool hands blocks out, counts references to them and takes them back:
+
+    ref_cnt == 0  <=>  the block is in the free queue
+
+The free queue is a doubly linked list threaded through the blocks themselves, so a
+block can be taken from the front, put at the back, or removed from the middle in O(1).
+Removal from the middle is what prefix caching needs: a freed block keeps its content
+and can be claimed again by a later request until it reaches the front and is reused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Content hash of a full block (set by prefix caching); None while not cached.
+        self.block_hash: int | None = None
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks; the front is the next to be reused."""
+
+    def __init__(self, blocks: list[KVCacheBlock]) -> None:
+        # Sentinels make every operation branch-free at the ends.
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise IndexError("no free blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is not None and block.next_free is not None, block
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        assert block.prev_free is None and block.next_free is None, block
+        last = self._tail.prev_free
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def __iter__(self):
+        block = self._head.next_free
+        while block is not self._tail:
+            yield block
+            block = block.next_free
+
+    def block_ids(self) -> list[int]:
+        return [b.block_id for b in self]
+
+
+class BlockPool:
+    """Every block of the cache, its reference count and the free queue."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.free_queue.num_free_blocks
+
+    def usage(self) -> float:
+        """Fraction of blocks referenced by at least one request (0-1)."""
+        return self.num_used_blocks / self.num_blocks
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Take `num_blocks` blocks from the front of the free queue, each with ref_cnt 1."""
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} blocks, only {self.num_free_blocks} free")
+        blocks = []
+        for _ in range(num_blocks):
+            block = self.free_queue.popleft()
+            assert block.ref_cnt == 0
+            block.ref_cnt = 1
+            block.block_hash = None
+            blocks.append(block)
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Add a reference to blocks another request already holds (or that sit free)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference from each block, in the order given.
+
+        A block whose count reaches zero goes to the back of the free queue, so callers
+        pass a request's blocks tail first: its tail is then reused before its head.
+        """
+        for block in blocks:
+            assert block.ref_cnt > 0, f"double free of {block}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)
+
+    def check_invariants(self) -> None:
+        """Free queue == blocks with no reference; counts consistent (tests, debugging)."""
+        free_ids = self.free_queue.block_ids()
+        assert len(free_ids) == len(set(free_ids)) == self.num_free_blocks
+        zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0}
+        assert set(free_ids) == zero_ref, (sorted(free_ids), sorted(zero_ref))
+        assert all(b.ref_cnt >= 0 for b in self.blocks)

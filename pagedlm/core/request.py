@@ -1,0 +1,116 @@
+"""A request as the scheduler sees it: token ids, progress, status. No torch here."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+
+from pagedlm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # Everything after this point is finished.
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def finish_reason(status: RequestStatus) -> str | None:
+        return _FINISH_REASONS.get(status)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock times (time.monotonic()) of a request's life, for metrics."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    finished: float | None = None
+
+
+class Request:
+    """One sequence to generate.
+
+    Progress is a single counter, `num_computed_tokens`: the number of leading tokens of
+    `all_token_ids` whose K/V are in the cache. There are no prefill/decode phases: a
+    request needs `num_tokens - num_computed_tokens` more tokens computed before the next
+    one can be sampled, whether it is new, half-way through a chunked prefill, decoding
+    (exactly one), or resuming after preemption (all of them again).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        seed: int,
+        eos_token_ids: tuple[int, ...] = (),
+        max_tokens: int | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.seed = seed
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_tokens = max_tokens if max_tokens is not None else sampling_params.max_tokens
+        assert self.max_tokens is not None and self.max_tokens >= 1
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        # A stop token id or stop string that ended the request, as vLLM reports it.
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_num_tokens(self) -> int:
+        """The most tokens this request can ever hold in the cache."""
+        return self.num_prompt_tokens + self.max_tokens
+
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    def get_finish_reason(self) -> str | None:
+        return RequestStatus.finish_reason(self.status)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
+        )
+

@@ -1,0 +1,327 @@
+"""The engine: requests in, one step at a time, outputs out.
+
+    step():  schedule  ->  run the model  ->  update requests, detokenize, publish
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+
+import torch
+
+from pagedlm.config import EngineArgs, GiB, SchedulerConfig
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
+from pagedlm.engine.stats import EngineStats, KVUsageSample
+from pagedlm.outputs import RequestOutput
+from pagedlm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """A well-mixed 63-bit seed for sample `index` of a request (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _TORCH_DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if config_dtype in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16
+
+
+def _model_max_len(hf_config) -> int:
+    max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True) and window < max_len:
+        # Sliding-window attention is not implemented yet: within the window it is
+        # ordinary causal attention, so cap the context there rather than be wrong.
+        logger.warning("capping the context at the model's sliding window (%d tokens)", window)
+        max_len = window
+    return max_len
+
+
+def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None),
+                   getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None):
+        if source is None:
+            continue
+        for t in source if isinstance(source, (list, tuple)) else [source]:
+            if t not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs) -> None:
+        from pagedlm.attention.backends import get_attention_backend
+        from pagedlm.loader.model_loader import (
+            build_model,
+            load_tokenizer_for,
+            resolve_model_source,
+        )
+        from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block
+        from pagedlm.worker.model_runner import ModelRunner
+
+        t0 = time.perf_counter()
+        self.args = args
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        self.device = _resolve_device(args.device)
+        source = resolve_model_source(args.model)
+        self.model_path = source.path
+        self.hf_config = source.hf_config
+        self.dtype = _resolve_dtype(args.dtype, self.hf_config, self.device)
+        model_max_len = _model_max_len(self.hf_config)
+        if args.max_model_len is not None and args.max_model_len > model_max_len:
+            raise ValueError(
+                f"max_model_len ({args.max_model_len}) is larger than the model's context "
+                f"({model_max_len} tokens)"
+            )
+        self.tokenizer = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer_for(source, args.tokenizer)
+
+        backend = get_attention_backend(args.attention_backend)
+        self.model = build_model(source, backend, model_max_len, self.dtype, self.device,
+                                 args.load_format, args.seed)
+        cfg = self.hf_config
+        self.vocab_size = cfg.vocab_size
+        num_layers = cfg.num_hidden_layers
+        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        block_size = args.block_size
+        block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, self.dtype)
+        self.runner = ModelRunner(self.model, self.device, block_size, self.vocab_size)
+
+        max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
+        if self.device.type == "cuda" and args.kv_cache_memory is None:
+            num_blocks = self._profile_cuda_blocks(block_bytes, max_batched, model_max_len,
+                                                   num_layers, num_kv_heads, head_dim)
+        else:
+            budget = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+            num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block: one block of {block_size} tokens needs "
+                f"{block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
+            )
+        capacity = num_blocks * block_size
+        if args.max_model_len is not None:
+            if args.max_model_len > capacity:
+                raise ValueError(
+                    f"max_model_len ({args.max_model_len}) is larger than the KV cache can hold "
+                    f"({capacity} tokens in {num_blocks} blocks); lower max_model_len or give the "
+                    f"cache more memory"
+                )
+            self.max_model_len = args.max_model_len
+        else:
+            self.max_model_len = min(model_max_len, capacity)
+
+        self.runner.bind_kv_cache(allocate_kv_cache(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device))
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        self.eos_token_ids = _eos_token_ids(self.hf_config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._seed_rng = random.Random(args.seed)
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self.kv_usage: list[KVUsageSample] = []
+        self.load_time_s = time.perf_counter() - t0
+        logger.info(
+            "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
+            "max_model_len %d, loaded in %.1f s",
+            self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
+            block_size, capacity, self.max_model_len, self.load_time_s,
+        )
+
+    def _profile_cuda_blocks(self, block_bytes, max_batched, model_max_len, num_layers,
+                             num_kv_heads, head_dim) -> int:
+        """Run one forward pass at the largest step size and give the KV cache what is left
+        of gpu_memory_utilization after weights and peak activations."""
+        from pagedlm.core.scheduler import ScheduledRequest, SchedulerOutput
+        from pagedlm.worker.kv_cache import allocate_kv_cache, num_blocks_for_cuda
+
+        block_size = self.args.block_size
+        per_req = min(max_batched, model_max_len)
+        num_reqs = -(-max_batched // per_req)
+        blocks_per_req = -(-per_req // block_size)
+        caches = allocate_kv_cache(num_layers, num_reqs * blocks_per_req, block_size, num_kv_heads,
+                                   head_dim, self.dtype, self.device)
+        self.runner.bind_kv_cache(caches)
+        sched = SchedulerOutput()
+        for i in range(num_reqs):
+            req = Request(f"profile-{i}", [0] * per_req, SamplingParams(max_tokens=1), seed=0)
+            sched.scheduled.append(ScheduledRequest(
+                req, 0, per_req, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), True))
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.runner.execute_model(sched)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        del caches, sched
+        self.runner.kv_caches = []
+        torch.cuda.empty_cache()
+        return num_blocks_for_cuda(peak - weights, block_bytes, self.args.gpu_memory_utilization,
+                                   self.device)
+
+    # ----- requests -----------------------------------------------------------------------
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine was created with skip_tokenizer_init=True: pass "
+                             "prompts as {'prompt_token_ids': [...]}")
+        return self.tokenizer(prompt).input_ids
+
+    def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: Sequence[int] | None = None,
+                    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
+                    arrival_time: float | None = None) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if self.output_processor.has_request(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("a request needs a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenize(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        self._validate_prompt(prompt_token_ids, params)
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
+        if params.n > 1 and params.seed is None:
+            base_seed = self._seed_rng.getrandbits(63)
+        else:
+            base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        sequences = []
+        for i in range(params.n):
+            seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            seed = base_seed if params.n == 1 else derive_seed(base_seed, i)
+            sequences.append(Request(seq_id, prompt_token_ids, params, seed, self.eos_token_ids,
+                                     max_tokens=max_tokens, arrival_time=arrival))
+        added = []
+        try:
+            for seq in sequences:
+                self.scheduler.add_request(seq)
+                added.append(seq.request_id)
+        except ValueError:
+            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
+            raise
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind,
+                                          sequences, arrival)
+
+    def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        num = len(prompt_token_ids)
+        if num == 0:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {self.vocab_size})")
+        if num >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num} tokens, but the maximum context length is "
+                f"{self.max_model_len} tokens (max_model_len), leaving no room to generate"
+            )
+        if params.max_tokens is not None and num + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"the prompt has {num} tokens and max_tokens is {params.max_tokens}: "
+                f"{num + params.max_tokens} tokens in all, more than the maximum context length "
+                f"of {self.max_model_len} tokens (max_model_len)"
+            )
+
+    def abort_request(self, request_ids: str | Sequence[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            seq_ids = self.output_processor.sequence_ids(request_id)
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            output = self.output_processor.abort(request_id)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ----- one step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        outputs, stopped = self.output_processor.process(
+            [s.request_id for s in sched.scheduled], updated, result)
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self._num_steps += 1
+        self._num_prompt_tokens += sum(
+            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.num_computed_tokens))
+            for s in sched.scheduled)
+        self._num_generation_tokens += len(updated)
+        if self.args.record_kv_usage:
+            self.kv_usage.append(KVUsageSample(
+                step=self._num_steps,
+                allocated_slots=self.kv_cache_manager.num_allocated_slots(),
+                tokens_held=self._tokens_held(),
+                num_running=self.scheduler.num_running,
+            ))
+        return outputs
+
+    def _tokens_held(self) -> int:
+        return sum(r.num_computed_tokens for r in self.scheduler.running)
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_blocks_total=kv.num_blocks,
+            num_blocks_free=kv.num_free_blocks,
+            block_size=kv.block_size,
+            num_tokens_held=self._tokens_held(),
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self._num_steps,
+        )

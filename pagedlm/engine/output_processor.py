@@ -1,0 +1,220 @@
+"""From per-step model results to RequestOutputs: detokenize, stop strings, logprobs.
+
+A user request with n > 1 fans out into n sequences that the scheduler treats as
+independent requests ("{i}_{request_id}"); this module gathers them back into one
+RequestOutput.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.engine.detokenizer import IncrementalDetokenizer
+from pagedlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+
+
+class RequestOutputKind(enum.Enum):
+    CUMULATIVE = 0  # every update carries everything so far
+    DELTA = 1  # every update carries only what is new
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SequenceState:
+    request: Request
+    index: int
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list | None
+    cumulative_logprob: float | None
+    num_published_tokens: int = 0
+    num_published_logprobs: int = 0
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_kind: RequestOutputKind
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
+    prompt_logprobs_published: bool = False
+    finished: set[int] = field(default_factory=set)
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.finished) == len(self.sequences)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+        self.seq_to_state: dict[str, tuple[RequestState, SequenceState]] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams, output_kind: RequestOutputKind,
+                    sequences: list[Request], arrival_time: float) -> None:
+        seqs = []
+        for i, request in enumerate(sequences):
+            detok = None
+            if params.detokenize and self.tokenizer is not None:
+                detok = IncrementalDetokenizer(
+                    self.tokenizer, prompt_token_ids,
+                    skip_special_tokens=params.skip_special_tokens,
+                    stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                )
+            wants_logprobs = params.logprobs is not None
+            seqs.append(SequenceState(request, i, detok, [] if wants_logprobs else None,
+                                      0.0 if wants_logprobs else None))
+        state = RequestState(request_id, prompt, prompt_token_ids, params, output_kind, seqs,
+                             RequestMetrics(arrival_time=arrival_time),
+                             prompt_logprobs={} if params.prompt_logprobs is not None else None)
+        self.states[request_id] = state
+        for seq in seqs:
+            self.seq_to_state[seq.request.request_id] = (state, seq)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def sequence_ids(self, request_id: str) -> list[str]:
+        state = self.states.get(request_id)
+        return [s.request.request_id for s in state.sequences] if state else []
+
+    def process(self, scheduled_ids: list[str], updated: list[Request], result: ModelRunnerOutput,
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to publish and the sequence ids a stop string finished (the
+        engine tells the scheduler, which frees their blocks)."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        for seq_id in scheduled_ids:
+            state, _ = self.seq_to_state[seq_id]
+            if state.metrics.first_scheduled_time is None:
+                state.metrics.first_scheduled_time = now
+        for seq_id, rows in result.prompt_logprobs.items():
+            state, _ = self.seq_to_state[seq_id]
+            for position, lp in rows:
+                state.prompt_logprobs[position] = self._position_logprobs(lp)
+        stopped_by_string = []
+        for request in updated:
+            state, seq = self.seq_to_state[request.request_id]
+            touched[state.request_id] = state
+            if state.metrics.first_token_time is None:
+                state.metrics.first_token_time = now
+            state.metrics.last_token_time = now
+            token_id = request.output_token_ids[-1]
+            lp = result.logprobs.get(request.request_id)
+            if lp is not None and seq.logprobs is not None:
+                seq.logprobs.append(self._position_logprobs(lp))
+                seq.cumulative_logprob += lp.logprob
+            if request.is_finished():
+                seq.finish_reason = request.get_finish_reason()
+                seq.stop_reason = request.stop_reason
+            if seq.detokenizer is not None:
+                # A stop token (EOS or stop_token_ids) is kept in token_ids but not in the text.
+                stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+                if not stopped_by_token or state.params.include_stop_str_in_output:
+                    stop_str = seq.detokenizer.update([token_id])
+                    if stop_str is not None:
+                        request.stop_reason = stop_str
+                        seq.finish_reason, seq.stop_reason = "stop", stop_str
+                        if not request.is_finished():
+                            stopped_by_string.append(request.request_id)
+            if seq.finish_reason is not None:
+                state.finished.add(seq.index)
+        outputs = []
+        for state in touched.values():
+            if state.is_finished:
+                state.metrics.finished_time = now
+                state.metrics.num_preemptions = sum(s.request.num_preemptions for s in state.sequences)
+            output = self._make_output(state)
+            if output is not None:
+                outputs.append(output)
+            if state.is_finished:
+                self._forget(state)
+        return outputs, stopped_by_string
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if seq.finish_reason is None:
+                seq.finish_reason = "abort"
+                state.finished.add(seq.index)
+        state.metrics.finished_time = time.monotonic()
+        output = self._make_output(state, force=True)
+        self._forget(state)
+        return output
+
+    def _forget(self, state: RequestState) -> None:
+        del self.states[state.request_id]
+        for seq in state.sequences:
+            self.seq_to_state.pop(seq.request.request_id, None)
+
+    def _position_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
+        ids = [lp.token_id] + [t for t in lp.top_ids if t != lp.token_id]
+        texts = self._decode_each(ids)
+        entry = {lp.token_id: Logprob(lp.logprob, lp.rank, texts[0])}
+        for rank, (tid, tlp) in enumerate(zip(lp.top_ids, lp.top_logprobs), start=1):
+            if tid not in entry:
+                entry[tid] = Logprob(tlp, rank, texts[len(entry)])
+        return entry
+
+    def _decode_each(self, ids: list[int]) -> list[str | None]:
+        if self.tokenizer is None:
+            return [None] * len(ids)
+        return self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+
+    def _make_output(self, state: RequestState, force: bool = False) -> RequestOutput | None:
+        kind = state.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not state.is_finished and not force:
+            return None
+        delta = kind == RequestOutputKind.DELTA
+        completions = [self._completion(seq, delta, state.is_finished) for seq in state.sequences]
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_published):
+            n = len(state.prompt_token_ids)
+            prompt_logprobs = [None] + [state.prompt_logprobs.get(p) for p in range(1, n)]
+            state.prompt_logprobs_published = True
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=completions,
+            finished=state.is_finished,
+            prompt_logprobs=prompt_logprobs,
+            metrics=state.metrics,
+        )
+
+    def _completion(self, seq: SequenceState, delta: bool, request_finished: bool) -> CompletionOutput:
+        token_ids = seq.request.output_token_ids
+        finished = seq.finish_reason is not None
+        text = ""
+        if seq.detokenizer is not None:
+            text = seq.detokenizer.get_next_output_text(finished, delta)
+        logprobs = seq.logprobs
+        if delta:
+            token_ids = token_ids[seq.num_published_tokens :]
+            if logprobs is not None:
+                logprobs = logprobs[seq.num_published_logprobs :]
+        seq.num_published_tokens = len(seq.request.output_token_ids)
+        seq.num_published_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
+        return CompletionOutput(
+            index=seq.index,
+            text=text,
+            token_ids=list(token_ids),
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(logprobs) if logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )

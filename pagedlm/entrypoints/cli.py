@@ -1,0 +1,137 @@
+"""The `pagedlm` command: generate, chat."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pagedlm.config import GiB
+
+
+def _parse_bytes(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": GiB, "kib": 1 << 10, "mib": 1 << 20, "gib": GiB}
+    t = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            return int(float(t[: -len(suffix)]) * units[suffix])
+    return int(t)
+
+
+def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
+    g = p.add_argument_group("engine")
+    model_help = "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    if positional_model:
+        g.add_argument("model", nargs="?", default=None, help=model_help)
+        g.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
+    else:
+        g.add_argument("--model", dest="model_flag", default=None, help=model_help)
+    g.add_argument("--tokenizer", default=None)
+    g.add_argument("--skip-tokenizer-init", action="store_true")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
+                   help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model_flag or getattr(args, "model", None), tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init, load_format=args.load_format,
+        dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        num_threads=args.num_threads,
+    )
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+
+
+def sampling_params(args: argparse.Namespace):
+    from pagedlm import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedlm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    tokenizer = llm.get_tokenizer()
+    use_chat = not args.no_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None)
+    for prompt in args.prompt:
+        if use_chat:
+            outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
+        else:
+            outputs = llm.generate(prompt, params, use_tqdm=False)
+        for completion in outputs[0].outputs:
+            print(completion.text if tokenizer is not None else completion.token_ids)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from pagedlm.entrypoints.chat import run_chat
+
+    return run_chat(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedlm", description="pagedlm: fast LLM inference")
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a reply to one or more prompts")
+    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts are run one after another)")
+    gen.add_argument("--no-chat-template", action="store_true",
+                     help="complete the raw text instead of wrapping it as a user chat message")
+    add_sampling_args(gen, max_tokens=256)
+    add_engine_args(gen, positional_model=False)  # the positional slot holds prompts
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streamed")
+    chat.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(chat, max_tokens=1024)
+    add_engine_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

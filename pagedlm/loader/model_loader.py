@@ -1,0 +1,86 @@
+"""Resolve what `model=` points at, build the model class and fill its weights.
+
+Three sources, picked once: a HuggingFace directory (config.json + *.safetensors), a
+.gguf file (dequantized), or random weights of the right shapes (`load_format="dummy"`).
+Whatever the source, every parameter must be filled and every shape must match.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelSource:
+    path: str  # directory or .gguf file
+    format: str  # "safetensors" | "gguf"
+    hf_config: object  # a transformers PretrainedConfig
+    gguf: object | None = None  # the opened GGUFCheckpoint, reused for weights and tokenizer
+
+
+def resolve_model_source(model: str | None) -> ModelSource:
+    from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+
+    path = model if model is not None else default_model_path()
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        checkpoint = GGUFCheckpoint(path)
+        return ModelSource(path, "gguf", checkpoint.config, checkpoint)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model directory {path!r} has no config.json")
+        from transformers import AutoConfig
+
+        with open(os.path.join(path, "config.json")) as f:
+            if "auto_map" in json.load(f):
+                logger.info("ignoring auto_map in %s: remote code is never run", path)
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        return ModelSource(path, "safetensors", hf_config)
+    if os.path.exists(path):
+        raise ValueError(f"model {path!r} is neither a HuggingFace directory nor a .gguf file")
+    raise ValueError(f"model {path!r} not found (no such file or directory; models are never downloaded)")
+
+
+def build_model(source: ModelSource, backend, max_position: int, dtype: torch.dtype,
+                device: torch.device, load_format: str, seed: int) -> torch.nn.Module:
+    model_cls = resolve_model_class(getattr(source.hf_config, "architectures", None))
+    with torch.device(device):
+        model = model_cls(source.hf_config, backend, max_position, dtype)
+    model.to(dtype=dtype)
+    # The rotary tables are built in float32 and cast; keep them in the model dtype.
+    expected = {name for name, _ in model.named_parameters()}
+    if load_format == "dummy":
+        from pagedlm.loader.dummy import init_dummy_weights
+
+        init_dummy_weights(model, seed=seed)
+        return model.eval()
+    if source.format == "gguf":
+        weights = source.gguf.weights()
+    else:
+        from pagedlm.loader.safetensors_loader import iterate_safetensors
+
+        weights = iterate_safetensors(source.path)
+    loaded = model.load_weights(weights)
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {source.path!r} did not fill {len(missing)} parameters: {shown}")
+    return model.eval()
+
+
+def load_tokenizer_for(source: ModelSource, tokenizer: str | None):
+    from pagedlm.loader.tokenizer import load_tokenizer
+
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if source.gguf is not None:
+        return source.gguf.tokenizer()
+    return load_tokenizer(source.path)

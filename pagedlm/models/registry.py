@@ -1,0 +1,27 @@
+"""HF `architectures` name -> model class. The class is picked once, when loading."""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> (module under pagedlm.models, class)
+_MODELS = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def resolve_model_class(architectures: list[str] | None):
+    for arch in architectures or ():
+        if arch in _MODELS:
+            module, cls = _MODELS[arch]
+            return getattr(importlib.import_module(f"pagedlm.models.{module}"), cls)
+    raise ValueError(
+        f"model architecture {architectures} is not supported; supported architectures: "
+        f"{', '.join(supported_architectures())}"
+    )

@@ -1,0 +1,202 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples.
+
+Step inputs are built with vectorised numpy over the scheduled requests: no Python loop
+over tokens or blocks. Requests are ordered decodes first (one query token each), then
+prefill chunks, which is the layout `AttentionMetadata` describes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagedlm.sample.sampler import (
+    Sampler,
+    SamplingRequestState,
+    compute_logprobs,
+    make_sampling_batch,
+)
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob data of one position: the chosen token and the top-k alternatives."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # request id -> [(position of the predicted prompt token, its logprobs)]
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]  # requests in batch order (decodes first)
+    logits_indices: torch.Tensor  # [num_sampled] token index of each sampled request's last token
+    sampled: list[ScheduledRequest]
+    # Prompt-logprob requests: (request, token indices into the batch, target prompt token ids)
+    prompt_logprob_rows: list[tuple[ScheduledRequest, np.ndarray, np.ndarray]]
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
+                 vocab_size: int) -> None:
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.sampler = Sampler()
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        layers = self.model.attention_layers()
+        assert len(layers) == len(kv_caches)
+        for layer, (k_cache, v_cache) in zip(layers, kv_caches):
+            layer.k_cache, layer.v_cache = k_cache, v_cache
+        self.kv_caches = kv_caches
+
+    # ----- inputs -----------------------------------------------------------------------
+
+    def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        num_reqs = len(order)
+        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
+        q_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=num_reqs)
+        seq_lens = starts + q_lens
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+
+        tokens: list[int] = []
+        for s in order:
+            all_ids = s.request.all_token_ids
+            if s.num_new_tokens == 1:
+                tokens.append(all_ids[s.num_computed_tokens])
+            else:
+                tokens.extend(all_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
+        input_ids = np.array(tokens, dtype=np.int64)
+
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
+        positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
+
+        max_blocks = max(len(s.block_ids) for s in order)
+        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
+        for i, s in enumerate(order):
+            block_tables[i, : len(s.block_ids)] = s.block_ids
+        slot_mapping = (
+            block_tables[req_of_token, positions // self.block_size] * self.block_size
+            + positions % self.block_size
+        )
+
+        sampled = [s for s in order if s.sample]
+        logits_indices = np.array([cu[i + 1] - 1 for i, s in enumerate(order) if s.sample], dtype=np.int64)
+
+        prompt_rows = []
+        for i, s in enumerate(order):
+            request = s.request
+            if request.sampling_params.prompt_logprobs is None:
+                continue
+            # Position p predicts prompt token p + 1; only positions inside the prompt count.
+            first = s.num_computed_tokens
+            last = min(first + s.num_new_tokens, request.num_prompt_tokens - 1)
+            if last <= first:
+                continue
+            idx = np.arange(cu[i], cu[i] + (last - first), dtype=np.int64)
+            targets = np.array(request.prompt_token_ids[first + 1 : last + 1], dtype=np.int64)
+            prompt_rows.append((s, idx, targets))
+
+        dev = self.device
+        meta = AttentionMetadata(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            num_prefills=num_reqs - num_decodes,
+            num_tokens=num_tokens,
+            max_query_len=int(q_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+            query_start_loc=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(seq_lens).to(dev),
+            block_tables=torch.from_numpy(block_tables).to(dev),
+            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc_cpu=cu.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        return StepInputs(
+            input_ids=torch.from_numpy(input_ids).to(dev),
+            positions=torch.from_numpy(positions).to(dev),
+            meta=meta,
+            order=order,
+            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            sampled=sampled,
+            prompt_logprob_rows=prompt_rows,
+        )
+
+    # ----- one step ---------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = self.prepare_inputs(sched)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+        out = ModelRunnerOutput()
+        if inputs.prompt_logprob_rows:
+            self._prompt_logprobs(hidden, inputs, out)
+        if not inputs.sampled:
+            return out
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        states = [
+            SamplingRequestState(
+                params=s.request.sampling_params,
+                seed=s.request.seed,
+                prompt_token_ids=s.request.prompt_token_ids,
+                output_token_ids=s.request.output_token_ids,
+                eos_token_ids=s.request.eos_token_ids,
+            )
+            for s in inputs.sampled
+        ]
+        batch = make_sampling_batch(states, logits.shape[-1], logits.device)
+        result = self.sampler(logits, batch)
+        token_ids = result.sampled_token_ids.tolist()
+        for s, token_id in zip(inputs.sampled, token_ids):
+            out.sampled_token_ids[s.request_id] = token_id
+        if result.sampled_logprobs is not None:
+            lps = result.sampled_logprobs.tolist()
+            ranks = result.sampled_ranks.tolist()
+            top_ids = result.topk_token_ids.tolist()
+            top_lps = result.topk_logprobs.tolist()
+            for i, s in enumerate(inputs.sampled):
+                num_top = s.request.sampling_params.logprobs
+                if num_top is None:
+                    continue
+                out.logprobs[s.request_id] = TokenLogprobs(
+                    token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
+                )
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
+        for s, idx, targets in inputs.prompt_logprob_rows:
+            num_top = s.request.sampling_params.prompt_logprobs
+            logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+            lp, rank, top_ids, top_lps = compute_logprobs(
+                logits, torch.from_numpy(targets).to(self.device), num_top
+            )
+            lp, rank, top_ids, top_lps = lp.tolist(), rank.tolist(), top_ids.tolist(), top_lps.tolist()
+            first_pos = s.num_computed_tokens + 1
+            out.prompt_logprobs[s.request_id] = [
+                (first_pos + j, TokenLogprobs(int(targets[j]), lp[j], rank[j], top_ids[j], top_lps[j]))
+                for j in range(len(targets))
+            ]

