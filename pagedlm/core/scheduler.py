@@ -199,6 +199,8 @@ class Scheduler:
         updated = []
         for sched in out.scheduled:
             request = sched.request
+            if request.is_finished():
+                continue  # aborted while the step ran; its blocks are already back
             request.num_computed_tokens += sched.num_new_tokens
             if not sched.sample:
                 continue

@@ -51,7 +51,7 @@ class LLM:
 
         A prompt is a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
         """
-        if isinstance(prompts, (str, dict)):
+        if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_for(len(prompts), sampling_params)
