@@ -46,11 +46,20 @@ def resolve_model_source(model: str | None) -> ModelSource:
         return ModelSource(path, "safetensors", hf_config)
     if os.path.exists(path):
         raise ValueError(f"model {path!r} is neither a HuggingFace directory nor a .gguf file")
-    raise ValueError(f"model {path!r} not found (no such file or directory; models are never downloaded)")
+    raise ValueError(
+        f"model {path!r} not found (no such file or directory; models are never downloaded)"
+    )
 
 
-def build_model(source: ModelSource, backend, max_position: int, dtype: torch.dtype,
-                device: torch.device, load_format: str, seed: int) -> torch.nn.Module:
+def build_model(
+    source: ModelSource,
+    backend,
+    max_position: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str,
+    seed: int,
+) -> torch.nn.Module:
     model_cls = resolve_model_class(getattr(source.hf_config, "architectures", None))
     with torch.device(device):
         model = model_cls(source.hf_config, backend, max_position, dtype)
@@ -71,8 +80,12 @@ def build_model(source: ModelSource, backend, max_position: int, dtype: torch.dt
     loaded = model.load_weights(weights)
     missing = sorted(expected - loaded)
     if missing:
-        shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint {source.path!r} did not fill {len(missing)} parameters: {shown}")
+        shown = ", ".join(missing[:8]) + (
+            f" and {len(missing) - 8} more" if len(missing) > 8 else ""
+        )
+        raise ValueError(
+            f"checkpoint {source.path!r} did not fill {len(missing)} parameters: {shown}"
+        )
     return model.eval()
 
 

@@ -1,0 +1,81 @@
+"""The reference attention backend: slow, loop-based, and easy to check by eye.
+
+It is the oracle the fast backends are tested against, so it deliberately does
+everything the plain way:
+
+* the cache write is one Python assignment per new token;
+* each request's context is read back from the paged cache one token at a time,
+  following `block_tables[r][pos // block_size]` and `pos % block_size`;
+* each query token is handled on its own, with a hand-written float32 softmax.
+
+Never use it for real inference; every step costs O(tokens * context) Python work
+and it syncs with the device (`.tolist()`) freely.
+"""
+
+import torch
+
+from pagedlm.attention.metadata import AttentionMetadata
+
+
+class ReferenceAttention:
+    name = "reference"
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads = query.shape[1]
+        num_kv_heads = key.shape[1]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        group = num_heads // num_kv_heads
+        block_size = k_cache.shape[1]
+
+        # 1. Store this step's keys/values, one token at a time.
+        slots = meta.slot_mapping.tolist()
+        for t in range(meta.num_tokens):
+            block, offset = divmod(slots[t], block_size)
+            k_cache[block, offset] = key[t]
+            v_cache[block, offset] = value[t]
+
+        # Query head h reads kv head h // group.
+        kv_head_of = torch.arange(num_heads, device=query.device) // group  # [num_heads]
+
+        out = torch.zeros_like(query)  # [num_tokens, num_heads, head_dim]
+        block_tables = meta.block_tables.tolist()
+        for r in range(meta.num_seqs):
+            q_start, q_end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+            q_len = q_end - q_start
+            ctx_len = meta.seq_lens_cpu[r]
+
+            # 2. Read the whole context of request r back from the paged cache.
+            ctx_k, ctx_v = [], []
+            for pos in range(ctx_len):
+                block = block_tables[r][pos // block_size]
+                offset = pos % block_size
+                ctx_k.append(k_cache[block, offset])
+                ctx_v.append(v_cache[block, offset])
+            keys = torch.stack(ctx_k).float()  # [ctx_len, num_kv_heads, head_dim]
+            values = torch.stack(ctx_v).float()  # [ctx_len, num_kv_heads, head_dim]
+
+            # 3. Each new token sits at absolute position ctx_len - q_len + i and
+            #    sees every context token up to and including itself.
+            for i in range(q_len):
+                pos = ctx_len - q_len + i
+                q = query[q_start + i].float()  # [num_heads, head_dim]
+                k = keys[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
+                v = values[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
+                scores = torch.einsum("hd,khd->hk", q, k) * scale  # [num_heads, pos + 1]
+                scores = scores - scores.max(dim=-1, keepdim=True).values
+                weights = scores.exp()  # [num_heads, pos + 1]
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+                out[q_start + i] = torch.einsum("hk,khd->hd", weights, v).to(query.dtype)
+        return out

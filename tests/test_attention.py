@@ -1,0 +1,265 @@
+"""The fast paged attention backend must match the loop-based reference exactly
+(up to float rounding), on many batch layouts, and write the cache exactly where
+slot_mapping says and nowhere else."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pagedlm.attention.backends import get_attention_backend
+from pagedlm.attention.reference import ReferenceAttention
+from pagedlm.attention.testing import AttentionCase, make_attention_case
+from pagedlm.attention.torch_paged import TorchPagedAttention, write_kv_cache
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}
+
+# (num_heads, num_kv_heads): MHA, GQA 3 (SmolLM2), GQA 4, MQA.
+HEADS = [(4, 4), (9, 3), (8, 2), (8, 1)]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The reference runs thousands of tiny ops; on a shared 2-core box, intra-op
+    threads only add wake-up latency to them (10x slower measured)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
+def mixed_layout(bs: int) -> list[tuple[int, int]]:
+    """(num_computed, num_new) per request: decodes first, then prefills and chunks.
+
+    Context lengths hit 1, exact multiples of the block size and their neighbours.
+    """
+    decodes = [(0, 1), (bs - 1, 1), (bs, 1), (3 * bs - 1, 1), (2 * bs + 5, 1)]
+    prefills = [
+        (0, bs),  # fresh prompt, exactly one block
+        (0, 7),  # fresh prompt, partial block
+        (bs, bs),  # chunk continuing at a block boundary
+        (5, 2 * bs + 3),  # chunk starting mid-block, spanning blocks
+        (2 * bs - 1, 1),  # one-token chunk in the prefill section
+        (0, 1),  # one-token prompt
+    ]
+    return decodes + prefills
+
+
+def expected_caches(case: AttentionCase) -> tuple[torch.Tensor, torch.Tensor]:
+    """The caches after the write, built slot by slot in the obvious way."""
+    k_cache, v_cache = case.clone_caches()
+    bs = k_cache.shape[1]
+    for t, slot in enumerate(case.meta.slot_mapping.tolist()):
+        k_cache[slot // bs, slot % bs] = case.key[t]
+        v_cache[slot // bs, slot % bs] = case.value[t]
+    return k_cache, v_cache
+
+
+def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
+
+
+def check_case(case: AttentionCase, tag: str = "") -> float:
+    """Run both backends on copies of the cache; compare outputs and the caches."""
+    k_ref, v_ref = case.clone_caches()
+    k_fast, v_fast = case.clone_caches()
+    args = (case.query, case.key, case.value)
+    ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale)
+    fast = TorchPagedAttention().forward(*args, k_fast, v_fast, case.meta, case.scale)
+
+    assert fast.shape == case.query.shape and fast.dtype == case.query.dtype
+    assert torch.isfinite(ref).all() and torch.isfinite(fast).all()
+    diff = (fast.float() - ref.float()).abs().max().item()
+    print(f"{tag} {case.query.dtype} max abs diff {diff:.3e}")
+    torch.testing.assert_close(fast, ref, **TOL[case.query.dtype])
+
+    k_exp, v_exp = expected_caches(case)
+    for got in (k_ref, k_fast):
+        assert_same_bits(got, k_exp)
+    for got in (v_ref, v_fast):
+        assert_same_bits(got, v_exp)
+    return diff
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_mixed_batch_fp32(head_dim: int, block_size: int, heads: tuple[int, int]) -> None:
+    num_heads, num_kv_heads = heads
+    case = make_attention_case(
+        mixed_layout(block_size),
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        seed=head_dim + block_size + num_heads * 10 + num_kv_heads,
+    )
+    assert case.meta.num_decodes == 5 and case.meta.num_prefills == 6
+    assert check_case(case, f"d{head_dim} bs{block_size} {heads}") < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3), (8, 1)], ids=["gqa3", "mqa"])
+def test_mixed_batch_low_precision(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    case = make_attention_case(
+        mixed_layout(16),
+        num_heads=heads[0],
+        num_kv_heads=heads[1],
+        head_dim=64,
+        block_size=16,
+        dtype=dtype,
+        seed=7,
+    )
+    check_case(case, f"{heads}")
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        [(40, 1)],  # a single decode
+        [(c, 1) for c in (0, 3, 15, 16, 31, 47, 100)],  # decodes only
+        [(0, 33)],  # a single fresh prompt
+        [(0, 16), (0, 5), (0, 48)],  # prompts only
+        [(32, 16), (17, 20), (3, 1)],  # chunks with a cached prefix only
+    ],
+    ids=["one_decode", "decodes", "one_prompt", "prompts", "chunks"],
+)
+def test_uniform_batches(layout: list[tuple[int, int]]) -> None:
+    case = make_attention_case(layout, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16)
+    check_case(case)
+
+
+def test_cache_in_other_dtype() -> None:
+    """A bf16 cache under fp32 activations: both backends read back the rounded K/V."""
+    case = make_attention_case(
+        mixed_layout(8),
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=8,
+        cache_dtype=torch.bfloat16,
+    )
+    check_case(case)
+
+
+def test_strided_inputs_from_fused_qkv() -> None:
+    """q/k/v sliced out of one fused projection output are strided, not contiguous."""
+    case = make_attention_case(
+        mixed_layout(8), num_heads=9, num_kv_heads=3, head_dim=64, block_size=8
+    )
+    t = case.query.shape[0]
+    qkv = torch.cat([case.query.flatten(1), case.key.flatten(1), case.value.flatten(1)], dim=1)
+    case.query = qkv[:, : 9 * 64].view(t, 9, 64)  # [t, 9, 64], row stride 15 * 64
+    case.key = qkv[:, 9 * 64 : 12 * 64].view(t, 3, 64)  # [t, 3, 64]
+    case.value = qkv[:, 12 * 64 :].view(t, 3, 64)  # [t, 3, 64]
+    assert not case.query.is_contiguous()
+    check_case(case)
+
+
+def test_write_kv_cache_touches_only_its_slots() -> None:
+    case = make_attention_case(
+        mixed_layout(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16
+    )
+    k_cache, v_cache = case.clone_caches()
+    write_kv_cache(case.key, case.value, k_cache, v_cache, case.meta.slot_mapping)
+    k_exp, v_exp = expected_caches(case)
+    assert_same_bits(k_cache, k_exp)
+    assert_same_bits(v_cache, v_exp)
+    # And the written slots really hold the new tokens (not NaN fill).
+    slots = case.meta.slot_mapping
+    assert torch.equal(k_cache.view(-1, 3, 64)[slots], case.key)
+    assert torch.equal(v_cache.view(-1, 3, 64)[slots], case.value)
+
+
+def test_reference_single_token_returns_its_value() -> None:
+    """Sanity check of the oracle itself: attending to one token returns its value."""
+    case = make_attention_case(
+        [(0, 1), (0, 1)], num_heads=6, num_kv_heads=2, head_dim=64, block_size=8
+    )
+    k_cache, v_cache = case.clone_caches()
+    out = ReferenceAttention().forward(
+        case.query, case.key, case.value, k_cache, v_cache, case.meta, case.scale
+    )
+    expected = case.value.repeat_interleave(3, dim=1)  # query head h uses kv head h // 3
+    torch.testing.assert_close(out, expected)
+
+
+def test_reference_matches_dense_causal_attention() -> None:
+    """Sanity check of the oracle: a fresh prompt equals plain dense causal attention."""
+    case = make_attention_case([(0, 21)], num_heads=4, num_kv_heads=2, head_dim=64, block_size=8)
+    k_cache, v_cache = case.clone_caches()
+    out = ReferenceAttention().forward(
+        case.query, case.key, case.value, k_cache, v_cache, case.meta, case.scale
+    )
+    k = case.key.repeat_interleave(2, dim=1)  # [21, 4, 64]
+    v = case.value.repeat_interleave(2, dim=1)  # [21, 4, 64]
+    scores = torch.einsum("qhd,khd->hqk", case.query, k) * case.scale  # [4, 21, 21]
+    causal = torch.ones(21, 21, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    dense = torch.einsum("hqk,khd->qhd", probs, v)  # [21, 4, 64]
+    torch.testing.assert_close(out, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_fast_path_has_no_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast backend must not read tensors back to the host (a sync on CUDA)."""
+    case = make_attention_case(
+        mixed_layout(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16
+    )
+    k_cache, v_cache = case.clone_caches()
+
+    def boom(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("host sync in the fast attention path")
+
+    for method in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, boom)
+    TorchPagedAttention().forward(
+        case.query, case.key, case.value, k_cache, v_cache, case.meta, case.scale
+    )
+
+
+def test_get_attention_backend() -> None:
+    assert isinstance(get_attention_backend(), TorchPagedAttention)
+    assert isinstance(get_attention_backend("torch"), TorchPagedAttention)
+    assert isinstance(get_attention_backend("reference"), ReferenceAttention)
+    with pytest.raises(ValueError, match="reference"):
+        get_attention_backend("flash")
+
+
+def test_gqa_shape_mismatch_is_rejected() -> None:
+    case = make_attention_case([(3, 1)], num_heads=4, num_kv_heads=3, head_dim=64, block_size=8)
+    with pytest.raises(ValueError, match="multiple"):
+        TorchPagedAttention().forward(
+            case.query, case.key, case.value, *case.clone_caches(), case.meta, case.scale
+        )
+
+
+@st.composite
+def batch_layouts(draw: st.DrawFn) -> dict:
+    block_size = draw(st.sampled_from([1, 4, 8, 16, 32]))
+    num_heads, num_kv_heads = draw(st.sampled_from(HEADS + [(2, 2), (6, 3)]))
+    decodes = draw(st.lists(st.integers(0, 70), max_size=5))
+    prefills = draw(st.lists(st.tuples(st.integers(0, 50), st.integers(1, 40)), max_size=4))
+    seqs = [(c, 1) for c in decodes] + prefills
+    if not seqs:
+        seqs = [(0, 1)]
+    return dict(
+        seqs=seqs,
+        num_decodes=len(decodes),
+        block_size=block_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=draw(st.sampled_from([8, 64])),
+        extra_table_cols=draw(st.integers(0, 2)),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch_layouts())
+def test_random_layouts(layout: dict) -> None:
+    case = make_attention_case(**layout)
+    check_case(case)
