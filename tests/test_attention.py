@@ -263,3 +263,35 @@ def batch_layouts(draw: st.DrawFn) -> dict:
 def test_random_layouts(layout: dict) -> None:
     case = make_attention_case(**layout)
     check_case(case)
+
+
+def test_decode_groups_cover_rows_and_bound_padding():
+    from pagedlm.attention.torch_paged import decode_groups
+
+    lens = [2000, 1900, 1500, 1200, 1000, 900, 500, 100, 50, 10, 10, 9]
+    groups = decode_groups(lens, min_fill=0.8)
+    assert groups[0][0] == 0 and groups[-1][1] == len(lens)
+    assert all(a[1] == b[0] for a, b in zip(groups, groups[1:]))  # contiguous, no gaps
+    for start, end, max_len in groups:
+        rows = lens[start:end]
+        assert max_len == max(rows)
+        assert len(rows) == 1 or sum(rows) >= 0.8 * max_len * len(rows)
+    assert decode_groups([7, 7, 7]) == [(0, 3, 7)]
+
+
+def test_length_bucketed_decodes_match_reference():
+    """Decodes of very different lengths (several buckets) against the reference."""
+    from pagedlm.attention.backends import get_attention_backend
+    from pagedlm.attention.testing import make_attention_case
+
+    layout = [(n - 1, 1) for n in (300, 290, 120, 64, 17, 16, 3, 1)] + [(5, 9), (0, 12)]
+    case = make_attention_case(layout, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+                               dtype=torch.float32, seed=3, num_decodes=8)
+    fast = get_attention_backend("torch")
+    ref = get_attention_backend("reference")
+    out_fast = fast.forward(case.query, case.key, case.value, case.k_cache.clone(),
+                            case.v_cache.clone(), case.meta, case.scale)
+    out_ref = ref.forward(case.query, case.key, case.value, case.k_cache.clone(),
+                          case.v_cache.clone(), case.meta, case.scale)
+    assert len(case.meta.backend_cache["decode_groups"]) > 2
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)

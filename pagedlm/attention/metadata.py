@@ -18,7 +18,7 @@ offset `i % block_size`. The flat slot of a token is `block * block_size + offse
 `slot_mapping[t]` is the slot where the new token `t` of this step is written.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,6 +38,8 @@ class AttentionMetadata:
     # Host copies, so that backends that loop over prefills never sync with the device.
     query_start_loc_cpu: list[int]
     seq_lens_cpu: list[int]
+    # Per-step values a backend derives once and reuses in every layer.
+    backend_cache: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -69,6 +69,27 @@ def _context_slots(
     return blocks * block_size + positions % block_size  # [n, L]
 
 
+def decode_groups(seq_lens: list[int], min_fill: float = 0.8) -> list[tuple[int, int, int]]:
+    """Split the decode rows into contiguous groups, each padded to its longest context.
+
+    Padding costs gather bandwidth and attention FLOPs, so a group is closed when adding
+    the next row would leave less than `min_fill` of its padded slots holding real
+    tokens. The model runner orders decodes longest first, which makes the groups
+    length buckets. Returns (start, end, max_len) per group.
+    """
+    groups = []
+    start, longest, total = 0, 0, 0
+    for i, n in enumerate(seq_lens):
+        new_longest = max(longest, n)
+        if i > start and new_longest * (i - start + 1) * min_fill > total + n:
+            groups.append((start, i, longest))
+            start, new_longest, total = i, n, 0
+        longest = new_longest
+        total += n
+    groups.append((start, len(seq_lens), longest))
+    return groups
+
+
 class TorchPagedAttention:
     name = "torch"
 
@@ -93,7 +114,12 @@ class TorchPagedAttention:
 
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         if meta.num_decodes > 0:
-            out[: meta.num_decodes] = self._decode(query, k_cache, v_cache, meta, scale)
+            groups = meta.backend_cache.get("decode_groups")
+            if groups is None:
+                groups = decode_groups(meta.seq_lens_cpu[: meta.num_decodes])
+                meta.backend_cache["decode_groups"] = groups
+            for start, end, max_len in groups:
+                out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
             out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale)
@@ -106,8 +132,11 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
-        """All decodes at once: one gather, one SDPA call.
+        start: int,
+        end: int,
+        max_len: int,
+    ) -> torch.Tensor:  # [end - start, num_heads, head_dim]
+        """Decodes start..end at once, padded to max_len: one gather, one SDPA call.
 
         GQA without repeating K/V: a decode has a single query token, so the
         `group` query heads that share a kv head can be laid out as `group`
@@ -120,20 +149,18 @@ class TorchPagedAttention:
         This measured faster than a hand-written matmul + softmax (which needs a
         strided-batch copy or a loop over kv heads) and than SDPA's enable_gqa.
         """
-        num_decodes = meta.num_decodes
+        num_decodes = end - start
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
         group = num_heads // num_kv_heads
         device = query.device
-        # Longest decode context, from the host copy: no device sync.
-        max_len = max(meta.seq_lens_cpu[:num_decodes])
 
-        seq_lens = meta.seq_lens[:num_decodes]  # [B]
+        seq_lens = meta.seq_lens[start:end]  # [B]
         positions = torch.arange(max_len, device=device)  # [L]
         valid = positions[None, :] < seq_lens[:, None]  # [B, L]
         # Past-the-end positions re-read position 0, which is always written (finite).
         positions = torch.where(valid, positions[None, :], 0)  # [B, L]
-        slots = _context_slots(meta.block_tables[:num_decodes], positions, block_size)  # [B, L]
+        slots = _context_slots(meta.block_tables[start:end], positions, block_size)  # [B, L]
 
         # One index_select over the flat slot table gathers every decode's context
         # (a row memcpy per slot; faster than advanced indexing of blocks on CPU).
@@ -146,7 +173,7 @@ class TorchPagedAttention:
         # k, v: [B, num_kv_heads, L, head_dim] (strided views; SDPA accepts them)
 
         # reshape, not view: query may be a strided slice of a fused qkv projection.
-        q = query[:num_decodes].reshape(num_decodes, num_kv_heads, group, head_dim)  # [B,kvh,g,d]
+        q = query[start:end].reshape(num_decodes, num_kv_heads, group, head_dim)  # [B,kvh,g,d]
         # SDPA accumulates the softmax in float32 for bf16/fp16 inputs.
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=valid[:, None, None, :], scale=scale

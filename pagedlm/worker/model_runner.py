@@ -73,7 +73,12 @@ class ModelRunner:
     # ----- inputs -----------------------------------------------------------------------
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        order = sorted(sched.scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+        # Decodes first, longest context first (the attention backend buckets decodes by
+        # length), then prefill chunks.
+        order = sorted(
+            sched.scheduled,
+            key=lambda s: (s.num_new_tokens != 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0),
+        )
         num_reqs = len(order)
         num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
         q_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_reqs)
