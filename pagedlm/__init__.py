@@ -11,6 +11,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "pagedlm.entrypoints.llm",
     "SamplingParams": "pagedlm.sampling_params",
+    "BeamSearchParams": "pagedlm.sampling_params",
+    "BeamSearchOutput": "pagedlm.outputs",
+    "BeamSearchSequence": "pagedlm.outputs",
     "RequestOutput": "pagedlm.outputs",
     "CompletionOutput": "pagedlm.outputs",
     "Logprob": "pagedlm.outputs",

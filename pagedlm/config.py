@@ -39,6 +39,7 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False

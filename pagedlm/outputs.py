@@ -65,3 +65,22 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class BeamSearchSequence:
+    tokens: list[int]  # prompt + generated token ids, as vLLM returns them
+    cum_logprob: float
+    text: str | None = None  # decode of `tokens`
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    score: float | None = None  # cum_logprob / generated_len ** length_penalty
+    num_prompt_tokens: int = 0
+
+    @property
+    def generated_token_ids(self) -> list[int]:
+        return self.tokens[self.num_prompt_tokens :]
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # best first

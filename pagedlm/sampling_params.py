@@ -18,6 +18,7 @@ from enum import IntEnum
 
 # Most top logprobs a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
+MAX_BEAM_WIDTH = 64
 # Penalties live in [-MAX_PENALTY, MAX_PENALTY], as in the OpenAI API.
 MAX_PENALTY = 2.0
 # Like vLLM, a temperature below this counts as greedy: dividing logits by such a
@@ -59,6 +60,8 @@ class SamplingParams:
     """
 
     n: int = 1
+    # Generate best_of samples and return the n with the highest cumulative logprob.
+    best_of: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -87,6 +90,10 @@ class SamplingParams:
         self.n = _as_int("n", self.n)
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.best_of is not None:
+            self.best_of = _as_int("best_of", self.best_of)
+            if self.best_of < self.n:
+                raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
 
         self.temperature = _as_float("temperature", self.temperature)
         if self.temperature < 0.0:
@@ -209,3 +216,28 @@ class SamplingParams:
         """A deep copy, so that per-request changes (e.g. n>1 child seeds, the
         engine filling in max_tokens) never leak into the caller's object."""
         return copy.deepcopy(self)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search, vLLM's `BeamSearchParams`: `beam_width` beams, each step keeping the
+    best continuations by cumulative logprob; finished beams are ranked by
+    cum_logprob / generated_len ** length_penalty (HF transformers' scoring)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        self.beam_width = _as_int("beam_width", self.beam_width)
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        self.max_tokens = _as_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)

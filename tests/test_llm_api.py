@@ -121,14 +121,22 @@ def test_engine_streaming_and_abort(llm):
 
 
 def test_kv_usage_recording(tiny_llama_dir):
-    rec = LLM(tiny_llama_dir, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22,
-              record_kv_usage=True)
-    rec.generate([{"prompt_token_ids": [1] * 10}] * 3, SamplingParams(max_tokens=5, ignore_eos=True),
-                 use_tqdm=False)
-    samples = rec.llm_engine.kv_usage
-    assert samples and all(s.allocated_slots >= s.tokens_held for s in samples)
-    # Three requests of 10 prompt tokens after the first step: 3 blocks each, 30 tokens held.
-    assert samples[0].allocated_slots == 3 * 3 * 4 and samples[0].tokens_held == 30
+    for caching in (False, True):
+        rec = LLM(tiny_llama_dir, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22,
+                  record_kv_usage=True, enable_prefix_caching=caching)
+        rec.generate([{"prompt_token_ids": [1] * 10}] * 3, SamplingParams(max_tokens=5, ignore_eos=True),
+                     use_tqdm=False)
+        samples = rec.llm_engine.kv_usage
+        assert samples and all(s.allocated_slots >= s.tokens_held for s in samples)
+        first = samples[0]
+        assert first.tokens_held_unshared == 30
+        if not caching:
+            # Three requests of 10 prompt tokens after the first step: 3 blocks each.
+            assert first.allocated_slots == 3 * 3 * 4 and first.tokens_held == 30
+        else:
+            # The second and third find the first's two full blocks: 3 + 1 + 1 blocks,
+            # 8 shared tokens + 3 x 2 private ones.
+            assert first.allocated_slots == 5 * 4 and first.tokens_held == 14
 
 
 def test_unknown_engine_option():

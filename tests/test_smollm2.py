@@ -90,3 +90,20 @@ def test_readme_quick_start_command():
     )
     assert proc.returncode == 0, proc.stderr
     assert "Paris" in proc.stdout, proc.stdout
+
+
+def test_beam_search_equals_hf(llm, hf_model):
+    from pagedlm import BeamSearchParams
+    from tests.test_block_sharing import _hf_beams
+
+    tokenizer = llm.get_tokenizer()
+    for question, lp in [("What is the capital of France?", 1.0), ("Name a colour.", 0.5)]:
+        ids = tokenizer(llm.apply_chat_template([{"role": "user", "content": question}]),
+                        add_special_tokens=False).input_ids
+        params = BeamSearchParams(beam_width=4, max_tokens=12, length_penalty=lp)
+        ours = llm.beam_search({"prompt_token_ids": ids}, params)[0].sequences
+        ref = _hf_beams(hf_model, ids, 4, 12, lp, eos=llm.llm_engine.eos_token_ids[0])
+        assert [s.tokens for s in ours] == [r[0] for r in ref], question
+        for s, (_, score) in zip(ours, ref):
+            assert s.score == pytest.approx(score, abs=1e-3)
+        assert ours[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=True)[:10])

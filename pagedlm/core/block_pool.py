@@ -23,7 +23,7 @@ class KVCacheBlock:
         self.block_id = block_id
         self.ref_cnt = 0
         # Content hash of a full block (set by prefix caching); None while not cached.
-        self.block_hash: int | None = None
+        self.block_hash: bytes | None = None
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
 
@@ -78,14 +78,23 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    """Every block of the cache, its reference count and the free queue."""
+    """Every block of the cache, its reference count, the free queue and the prefix cache.
 
-    def __init__(self, num_blocks: int) -> None:
+    With caching on, a full block that has been computed is registered under its content
+    hash. It stays registered when freed, so a later request with the same prefix can
+    claim it back from the free queue; it is forgotten only when the queue hands it out
+    for new content (eviction, least recently freed first).
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
         self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached_blocks: dict[bytes, KVCacheBlock] = {}
+        self.num_evictions = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,10 +116,34 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self.free_queue.popleft()
             assert block.ref_cnt == 0
+            if block.block_hash is not None:
+                self._evict(block)
             block.ref_cnt = 1
-            block.block_hash = None
             blocks.append(block)
         return blocks
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+            self.num_evictions += 1
+        block.block_hash = None
+
+    def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached_blocks.get(block_hash)
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Register a computed full block. A block whose content is already cached under
+        another block (two requests computed the same prefix at once) stays unregistered."""
+        assert block.ref_cnt > 0
+        if block.block_hash is not None or block_hash in self.cached_blocks:
+            return
+        block.block_hash = block_hash
+        self.cached_blocks[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self.cached_blocks.values():
+            block.block_hash = None
+        self.cached_blocks.clear()
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to blocks another request already holds (or that sit free)."""
@@ -138,3 +171,7 @@ class BlockPool:
         zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0}
         assert set(free_ids) == zero_ref, (sorted(free_ids), sorted(zero_ref))
         assert all(b.ref_cnt >= 0 for b in self.blocks)
+        for block_hash, block in self.cached_blocks.items():
+            assert block.block_hash == block_hash, (block, block_hash)
+        hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
+        assert hashed == {b.block_id for b in self.cached_blocks.values()}

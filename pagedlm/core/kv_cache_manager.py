@@ -4,10 +4,21 @@ A request's block table is the list of blocks holding its tokens in order: token
 lives in `blocks[i // block_size]` at offset `i % block_size`. The table grows one
 block at a time, only when a new token would not fit in the last block, and all of it
 goes back to the pool the moment the request finishes, is aborted or is preempted.
+
+Sharing. A block may sit in several tables at once (ref_cnt > 1):
+  * prefix caching: a new request starts with the cached blocks of its longest cached
+    prefix (full blocks only, never written again);
+  * forking (n > 1 samples, beams): a child starts with all of its parent's blocks.
+    The last block may be partly filled; whoever writes into it while it is shared
+    first gets a private copy (copy-on-write). The copies to perform are queued in
+    `pending_copies` for the model runner.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from pagedlm.core.block_hash import extend_block_hashes
 from pagedlm.core.block_pool import BlockPool, KVCacheBlock
 from pagedlm.core.request import Request
 
@@ -17,12 +28,15 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
-        self.block_pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        self.pending_copies: list[tuple[int, int]] = []  # (src block id, dst block id)
+        self.num_copies = 0
 
     @property
     def num_blocks(self) -> int:
@@ -46,22 +60,112 @@ class KVCacheManager:
         """Whether a sequence of `num_tokens` fits in the whole cache with nothing else in it."""
         return self.num_blocks_needed(num_tokens) <= self.block_pool.num_blocks
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for `num_new_tokens` after the request's computed tokens.
+    # ----- prefix caching -------------------------------------------------------------------
 
-        All or nothing: returns False, allocating nothing, when the pool is short.
+    def get_computed_blocks(self, request: Request) -> list[KVCacheBlock]:
+        """The cached blocks of the request's longest cached prefix.
+
+        At most `num_tokens - 1` tokens can be hits: the last token must be computed so
+        that there are logits to sample from.
+        """
+        if not self.enable_caching or request.skip_prefix_cache:
+            return []
+        self._update_hashes(request)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def _update_hashes(self, request: Request, num_tokens: int | None = None) -> None:
+        # Only tokens that are final may be hashed: a beam's last token can still change
+        # before it is computed, so cached blocks hash computed tokens only.
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size,
+                            request.cache_extra_key, num_tokens)
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's blocks that are full once its first `num_tokens` tokens
+        are computed.
+
+        The scheduler calls this when it schedules the step that computes them, so that
+        requests admitted later in the same step already hit: every attention layer
+        writes all of a step's K/V before any request reads the cache.
+        """
+        if not self.enable_caching:
+            return
+        num_full = num_tokens // self.block_size
+        if num_full <= request.num_cached_blocks:
+            return
+        self._update_hashes(request, num_tokens)
+        blocks = self.req_to_blocks[request.request_id]
+        for i in range(request.num_cached_blocks, num_full):
+            self.block_pool.cache_block(blocks[i], request.block_hashes[i])
+        request.num_cached_blocks = num_full
+
+    # ----- allocation ---------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVCacheBlock] = ()) -> bool:
+        """Make room for `num_new_tokens` after the request's computed tokens (plus
+        `new_computed_blocks`, prefix-cache hits that become its first blocks).
+
+        All or nothing: returns False, changing nothing, when the pool is short.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_needed = self.num_blocks_needed(request.num_computed_tokens + num_new_tokens)
-        num_missing = num_needed - len(blocks)
-        if num_missing <= 0:
-            return True
-        if num_missing > self.block_pool.num_free_blocks:
+        assert not new_computed_blocks or not blocks
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        num_needed = self.num_blocks_needed(num_computed + num_new_tokens)
+        num_missing = max(0, num_needed - len(blocks) - len(new_computed_blocks))
+        cow = self._needs_copy(blocks, num_computed, num_new_tokens)
+        # Hits that sit free in the queue stop being available for new blocks.
+        num_free_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_missing + cow > self.block_pool.num_free_blocks - num_free_hits:
             return False
-        blocks.extend(self.block_pool.get_new_blocks(num_missing))
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            blocks.extend(new_computed_blocks)
+            request.num_cached_blocks = len(new_computed_blocks)
+        if cow:
+            self._copy_last_block(blocks, num_computed // self.block_size)
+        if num_missing:
+            blocks.extend(self.block_pool.get_new_blocks(num_missing))
         return True
 
+    def _needs_copy(self, blocks: list[KVCacheBlock], num_computed: int, num_new: int) -> bool:
+        """Writing into a partly filled block that another table also holds."""
+        if num_new == 0 or num_computed % self.block_size == 0 or not blocks:
+            return False
+        last = blocks[num_computed // self.block_size]
+        return last.ref_cnt > 1
+
+    def _copy_last_block(self, blocks: list[KVCacheBlock], index: int) -> None:
+        # Only the partly filled block at the end can be shared and written to.
+        assert index == len(blocks) - 1, (index, len(blocks))
+        shared = blocks[index]
+        (private,) = self.block_pool.get_new_blocks(1)
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.num_copies += 1
+        blocks[-1] = private
+        self.block_pool.free_blocks([shared])
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        assert child.request_id not in self.req_to_blocks or not self.req_to_blocks[child.request_id]
+        parent_blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.block_pool.touch(parent_blocks)
+        self.req_to_blocks[child.request_id] = list(parent_blocks)
+        child.num_cached_blocks = parent.num_cached_blocks
+        child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
     def free(self, request: Request) -> None:
+        request.num_cached_blocks = 0
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
@@ -69,9 +173,25 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
+    # ----- accounting ---------------------------------------------------------------------
+
     def num_allocated_slots(self) -> int:
         """Token slots in blocks referenced by requests (for the paging-waste report)."""
         return self.block_pool.num_used_blocks * self.block_size
+
+    def num_shared_blocks(self) -> int:
+        return sum(1 for b in self.block_pool.blocks if b.ref_cnt > 1)
+
+    def num_distinct_tokens(self, requests: Sequence[Request]) -> int:
+        """Token slots holding K/V, each shared slot counted once."""
+        fill: dict[int, int] = {}
+        bs = self.block_size
+        for r in requests:
+            for i, block in enumerate(self.req_to_blocks.get(r.request_id, ())):
+                n = min(bs, max(0, r.num_computed_tokens - i * bs))
+                if n > fill.get(block.block_id, 0):
+                    fill[block.block_id] = n
+        return sum(fill.values())
 
     def check_invariants(self, live_requests: list[Request] | None = None) -> None:
         """Ref counts equal the number of block tables holding each block; no leaks."""

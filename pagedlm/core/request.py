@@ -64,6 +64,7 @@ class Request:
         eos_token_ids: tuple[int, ...] = (),
         max_tokens: int | None = None,
         arrival_time: float | None = None,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -79,6 +80,17 @@ class Request:
         # A stop token id or stop string that ended the request, as vLLM reports it.
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        # Prefix caching: chained hashes of the full blocks of all_token_ids, the number of
+        # leading blocks already registered in the cache, and what else keys the content.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.cache_extra_key = cache_salt.encode() if cache_salt else b""
+        # Prompt logprobs need logits at every prompt position, so nothing may be skipped.
+        self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
+        self.num_cached_prompt_tokens = 0  # prompt tokens found in the cache at first admission
+        # A paused request keeps its place and blocks but is not scheduled (a beam waiting
+        # for its siblings before the next selection).
+        self.paused = False
         self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
 
     @property
@@ -107,6 +119,13 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def replace_last_token(self, token_id: int) -> None:
+        """Swap the last output token before it is computed (beam search picks the token
+        itself after seeing the candidates)."""
+        assert self.output_token_ids and self.num_computed_tokens < self.num_tokens
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
 
     def __repr__(self) -> str:
         return (

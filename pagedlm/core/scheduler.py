@@ -31,6 +31,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table
     # The step computes the request's last known token, so a new one is sampled after it.
     sample: bool
+    # Samples forked from this request at this step (n > 1): each samples its own first
+    # token from this request's logits, then shares its blocks.
+    forks: list[Request] = field(default_factory=list)
 
     @property
     def request_id(self) -> str:
@@ -49,6 +52,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
+    # Copy-on-write: copy block src to block dst in every layer before the forward pass.
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -62,7 +67,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Samples waiting for their leader's prompt: leader id -> requests to fork from it.
+        self.pending_forks: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens found
 
     # ----- requests in and out -------------------------------------------------------
 
@@ -86,6 +95,17 @@ class Scheduler:
         self.waiting.append(request)
         self.requests[request.request_id] = request
 
+    def add_forked_requests(self, leader: Request, followers: list[Request]) -> None:
+        """Samples 2..n of a request: they start when `leader` samples its first token,
+        sharing the leader's prompt blocks instead of computing the prompt again."""
+        assert leader.request_id in self.requests and not leader.output_token_ids
+        for follower in followers:
+            if follower.request_id in self.requests:
+                raise ValueError(f"request_id {follower.request_id!r} is already in use")
+            follower.status = RequestStatus.WAITING
+            self.requests[follower.request_id] = follower
+        self.pending_forks.setdefault(leader.request_id, []).extend(followers)
+
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests early (stop string matched, client gone). Unknown ids are ignored."""
         assert RequestStatus.is_finished(status)
@@ -96,19 +116,30 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
-            else:
+            elif request in self.waiting:
                 self.waiting.remove(request)
+            else:
+                self._remove_pending_fork(request)
             request.status = status
             self._free(request)
             finished.append(request)
         return finished
+
+    def _remove_pending_fork(self, request: Request) -> None:
+        for leader_id, followers in list(self.pending_forks.items()):
+            if request in followers:
+                followers.remove(request)
+                if not followers:
+                    del self.pending_forks[leader_id]
+                return
+        raise AssertionError(f"{request} is in no queue")
 
     def _free(self, request: Request) -> None:
         self.kv.free(request)
         del self.requests[request.request_id]
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.pending_forks)
 
     @property
     def num_running(self) -> int:
@@ -128,6 +159,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if request.paused:
+                i += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request
             while not self.kv.allocate_slots(request, num_new):
@@ -137,6 +171,7 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
                 self._add_to_output(out, request, num_new)
                 budget -= num_new
                 i += 1
@@ -146,27 +181,40 @@ class Scheduler:
         # Then admit waiting requests, unless this step already had to preempt.
         while (
             not out.preempted_request_ids
-            and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
+            request = next((r for r in self.waiting if not r.paused), None)
+            if request is None:
+                break
+            assert request.num_computed_tokens == 0
+            hits = self.kv.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.kv.block_size
+            num_new = request.num_tokens - num_hit_tokens
             if num_new > budget:
                 if not self.config.enable_chunked_prefill:
                     break
                 num_new = budget
-            if not self.kv.allocate_slots(request, num_new):
+            if not self.kv.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            if request.num_preemptions == 0:
+                request.num_cached_prompt_tokens = num_hit_tokens
+            if self.kv.enable_caching and not request.skip_prefix_cache:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit_tokens
+            self.kv.cache_blocks(request, num_hit_tokens + num_new)
             self._add_to_output(out, request, num_new)
             budget -= num_new
+        out.copy_blocks = self.kv.take_pending_copies()
         return out
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         reaches_end = request.num_computed_tokens + num_new == request.num_tokens
+        forks = self.pending_forks.get(request.request_id, []) if reaches_end else []
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
@@ -174,6 +222,7 @@ class Scheduler:
                 num_new_tokens=num_new,
                 block_ids=self.kv.get_block_ids(request.request_id),
                 sample=reaches_end,
+                forks=list(forks),
             )
         )
         out.num_scheduled_tokens += num_new
@@ -204,15 +253,53 @@ class Scheduler:
             request.num_computed_tokens += sched.num_new_tokens
             if not sched.sample:
                 continue
-            token_id = sampled_token_ids[request.request_id]
-            request.append_output_token(token_id)
-            status = self._check_stop(request, token_id)
-            if status is not None:
-                request.status = status
-                self.running.remove(request)
-                self._free(request)
-            updated.append(request)
+            if sched.forks:
+                for follower in self._start_forks(request):
+                    updated.append(self._append_token(follower, sampled_token_ids[follower.request_id]))
+            updated.append(self._append_token(request, sampled_token_ids[request.request_id]))
         return updated
+
+    def _start_forks(self, leader: Request) -> list[Request]:
+        """Fork the leader's pending samples that fit under max_num_seqs; the others become
+        ordinary waiting requests (they will find the prompt's full blocks in the prefix
+        cache, and compute the rest themselves)."""
+        followers = self.pending_forks.pop(leader.request_id, [])
+        room = self.config.max_num_seqs - len(self.running)
+        started, deferred = followers[: max(0, room)], followers[max(0, room) :]
+        for follower in started:
+            self.kv.fork(leader, follower)
+            follower.num_computed_tokens = leader.num_computed_tokens
+            follower.status = RequestStatus.RUNNING
+            self.running.append(follower)
+        for follower in reversed(deferred):
+            self.waiting.appendleft(follower)
+        return started
+
+    def fork_request(self, parent: Request, child: Request) -> None:
+        """Start `child` (a copy of `parent`'s tokens, perhaps with a different last,
+        uncomputed token) sharing the parent's computed blocks. Without room under
+        max_num_seqs, or if the parent holds no blocks, the child waits and recomputes."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request_id {child.request_id!r} is already in use")
+        self.requests[child.request_id] = child
+        if parent.status == RequestStatus.RUNNING and len(self.running) < self.config.max_num_seqs:
+            self.kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            child.num_computed_tokens = 0
+            child.status = RequestStatus.WAITING
+            self.waiting.appendleft(child)
+
+    def _append_token(self, request: Request, token_id: int) -> Request:
+        request.append_output_token(token_id)
+        status = self._check_stop(request, token_id)
+        if status is not None:
+            request.status = status
+            self.running.remove(request)
+            self._free(request)
+        return request
 
     def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -228,7 +315,8 @@ class Scheduler:
         return None
 
     def check_invariants(self) -> None:
-        live = list(self.running) + list(self.waiting)
+        pending = [f for followers in self.pending_forks.values() for f in followers]
+        live = list(self.running) + list(self.waiting) + pending
         assert len({r.request_id for r in live}) == len(live)
         assert set(self.requests) == {r.request_id for r in live}
         assert len(self.running) <= self.config.max_num_seqs

@@ -9,17 +9,19 @@ import logging
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from pagedlm.config import EngineArgs, GiB, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,15 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
             if t not in ids:
                 ids.append(int(t))
     return tuple(ids)
+
+
+@dataclass
+class StepRecord:
+    """What the last step did, for drivers layered on the engine (beam search)."""
+
+    scheduled: SchedulerOutput
+    result: ModelRunnerOutput
+    updated: list[Request]
 
 
 class LLMEngine:
@@ -146,7 +157,7 @@ class LLMEngine:
 
         self.runner.bind_kv_cache(allocate_kv_cache(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device))
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size)
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -163,6 +174,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.kv_usage: list[KVUsageSample] = []
+        self.last_step: StepRecord | None = None
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
@@ -212,7 +224,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: Sequence[int] | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        """Queue a request. With n > 1 (or best_of), the first sample computes the prompt
+        and the others fork from it when it samples its first token, sharing its blocks."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
         if self.output_processor.has_request(request_id):
@@ -226,25 +240,28 @@ class LLMEngine:
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
-        if params.n > 1 and params.seed is None:
-            base_seed = self._seed_rng.getrandbits(63)
-        else:
-            base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        base_seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        num_seqs = params.best_of or params.n
+        seq_params = params
+        if num_seqs > params.n and params.logprobs is None:
+            # Ranking best_of samples needs each one's cumulative logprob.
+            seq_params = params.clone()
+            seq_params.logprobs = 0
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         sequences = []
-        for i in range(params.n):
-            seq_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            seed = base_seed if params.n == 1 else derive_seed(base_seed, i)
-            sequences.append(Request(seq_id, prompt_token_ids, params, seed, self.eos_token_ids,
-                                     max_tokens=max_tokens, arrival_time=arrival))
-        added = []
-        try:
-            for seq in sequences:
-                self.scheduler.add_request(seq)
-                added.append(seq.request_id)
-        except ValueError:
-            self.scheduler.finish_requests(added, RequestStatus.FINISHED_ABORTED)
-            raise
+        for i in range(num_seqs):
+            seq_id = request_id if num_seqs == 1 else f"{i}_{request_id}"
+            seed = base_seed if num_seqs == 1 else derive_seed(base_seed, i)
+            sequences.append(Request(seq_id, prompt_token_ids, seq_params, seed, self.eos_token_ids,
+                                     max_tokens=max_tokens, arrival_time=arrival,
+                                     cache_salt=cache_salt))
+        self.scheduler.add_request(sequences[0])
+        if num_seqs > 1:
+            try:
+                self.scheduler.add_forked_requests(sequences[0], sequences[1:])
+            except ValueError:
+                self.scheduler.finish_requests([sequences[0].request_id], RequestStatus.FINISHED_ABORTED)
+                raise
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind,
                                           sequences, arrival)
 
@@ -290,6 +307,7 @@ class LLMEngine:
             return []
         result = self.runner.execute_model(sched)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        self.last_step = StepRecord(sched, result, updated)
         outputs, stopped = self.output_processor.process(
             [s.request_id for s in sched.scheduled], updated, result)
         if stopped:
@@ -304,12 +322,21 @@ class LLMEngine:
                 step=self._num_steps,
                 allocated_slots=self.kv_cache_manager.num_allocated_slots(),
                 tokens_held=self._tokens_held(),
+                tokens_held_unshared=self._tokens_unshared(),
                 num_running=self.scheduler.num_running,
             ))
         return outputs
 
     def _tokens_held(self) -> int:
+        """Tokens whose K/V the cache holds, a token shared by several sequences once."""
+        return self.kv_cache_manager.num_distinct_tokens(self.scheduler.running)
+
+    def _tokens_unshared(self) -> int:
+        """What the live sequences would hold if nothing were shared."""
         return sum(r.num_computed_tokens for r in self.scheduler.running)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache_manager
@@ -318,6 +345,11 @@ class LLMEngine:
             num_blocks_free=kv.num_free_blocks,
             block_size=kv.block_size,
             num_tokens_held=self._tokens_held(),
+            num_tokens_held_unshared=self._tokens_unshared(),
+            num_blocks_shared=kv.num_shared_blocks(),
+            num_block_copies=kv.num_copies,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
             num_preemptions=self.scheduler.num_preemptions,
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,

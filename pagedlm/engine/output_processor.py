@@ -74,8 +74,12 @@ class OutputProcessor:
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
                 )
             wants_logprobs = params.logprobs is not None
+            ranked = (params.best_of or params.n) > params.n
             seqs.append(SequenceState(request, i, detok, [] if wants_logprobs else None,
-                                      0.0 if wants_logprobs else None))
+                                      0.0 if wants_logprobs or ranked else None))
+        if (params.best_of or params.n) > params.n:
+            # The n best are known only at the end.
+            output_kind = RequestOutputKind.FINAL_ONLY
         state = RequestState(request_id, prompt, prompt_token_ids, params, output_kind, seqs,
                              RequestMetrics(arrival_time=arrival_time),
                              prompt_logprobs={} if params.prompt_logprobs is not None else None)
@@ -96,16 +100,22 @@ class OutputProcessor:
         engine tells the scheduler, which frees their blocks)."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        # Requests this processor does not know (beam search drives its own) are skipped.
         for seq_id in scheduled_ids:
-            state, _ = self.seq_to_state[seq_id]
-            if state.metrics.first_scheduled_time is None:
-                state.metrics.first_scheduled_time = now
+            if seq_id in self.seq_to_state:
+                state, _ = self.seq_to_state[seq_id]
+                if state.metrics.first_scheduled_time is None:
+                    state.metrics.first_scheduled_time = now
         for seq_id, rows in result.prompt_logprobs.items():
+            if seq_id not in self.seq_to_state:
+                continue
             state, _ = self.seq_to_state[seq_id]
             for position, lp in rows:
                 state.prompt_logprobs[position] = self._position_logprobs(lp)
         stopped_by_string = []
         for request in updated:
+            if request.request_id not in self.seq_to_state:
+                continue
             state, seq = self.seq_to_state[request.request_id]
             touched[state.request_id] = state
             if state.metrics.first_token_time is None:
@@ -113,9 +123,11 @@ class OutputProcessor:
             state.metrics.last_token_time = now
             token_id = request.output_token_ids[-1]
             lp = result.logprobs.get(request.request_id)
-            if lp is not None and seq.logprobs is not None:
-                seq.logprobs.append(self._position_logprobs(lp))
-                seq.cumulative_logprob += lp.logprob
+            if lp is not None:
+                if seq.logprobs is not None:
+                    seq.logprobs.append(self._position_logprobs(lp))
+                if seq.cumulative_logprob is not None:
+                    seq.cumulative_logprob += lp.logprob
             if request.is_finished():
                 seq.finish_reason = request.get_finish_reason()
                 seq.stop_reason = request.stop_reason
@@ -181,6 +193,12 @@ class OutputProcessor:
             return None
         delta = kind == RequestOutputKind.DELTA
         completions = [self._completion(seq, delta, state.is_finished) for seq in state.sequences]
+        if len(completions) > state.params.n:
+            # best_of: keep the n samples with the highest cumulative logprob, best first.
+            completions.sort(key=lambda c: c.cumulative_logprob or 0.0, reverse=True)
+            completions = completions[: state.params.n]
+            for i, c in enumerate(completions):
+                c.index = i
         prompt_logprobs = None
         if state.prompt_logprobs is not None and not (delta and state.prompt_logprobs_published):
             n = len(state.prompt_token_ids)

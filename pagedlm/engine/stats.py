@@ -10,12 +10,15 @@ class EngineStats:
     num_blocks_total: int
     num_blocks_free: int  # blocks no request references
     block_size: int
-    num_tokens_held: int  # tokens whose K/V are in the cache for live requests
+    num_tokens_held: int  # tokens whose K/V are in the cache for live requests (shared once)
     num_preemptions: int  # since start
     num_requests_running: int
     num_requests_waiting: int
-    prefix_cache_queries: int = 0  # prompt tokens looked up (prefix caching)
-    prefix_cache_hits: int = 0  # prompt tokens found
+    prefix_cache_queries: int = 0  # tokens looked up when requests are admitted
+    prefix_cache_hits: int = 0  # tokens found in the prefix cache
+    num_tokens_held_unshared: int = 0  # what num_tokens_held would be without any sharing
+    num_blocks_shared: int = 0  # blocks referenced by more than one sequence
+    num_block_copies: int = 0  # copy-on-write copies since start
     num_prompt_tokens: int = 0  # computed since start (recomputation included)
     num_generation_tokens: int = 0  # sampled since start
     num_steps: int = 0
@@ -28,6 +31,10 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         return self.num_blocks_used / self.num_blocks_total
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
 
 @dataclass(frozen=True)
 class KVUsageSample:
@@ -37,3 +44,4 @@ class KVUsageSample:
     allocated_slots: int
     tokens_held: int
     num_running: int
+    tokens_held_unshared: int = 0

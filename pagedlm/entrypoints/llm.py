@@ -10,8 +10,8 @@ from pagedlm.config import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
-from pagedlm.outputs import RequestOutput
-from pagedlm.sampling_params import SamplingParams
+from pagedlm.outputs import BeamSearchOutput, RequestOutput
+from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict
 _ENGINE_ARG_NAMES = {f.name for f in fields(EngineArgs)}
@@ -82,6 +82,39 @@ class LLM:
             ids = self.get_tokenizer()(p["prompt"], add_special_tokens=False).input_ids
             parsed.append((p["prompt"], ids))
         return self._run(parsed, params_list, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """Beam search for each prompt; per prompt, `.sequences` holds the best
+        `beam_width` hypotheses, best first, each with `.tokens` (prompt + generated ids),
+        `.text` (the decode of `.tokens`, as vLLM returns it) and `.cum_logprob`."""
+        from pagedlm.engine.beam_search import BeamSearchDriver
+
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if not isinstance(prompts, (list, tuple)):
+            prompts = [prompts]
+        engine = self.llm_engine
+        token_lists = []
+        for i, p in enumerate(prompts):
+            text, ids = self._parse_prompt(p, i)
+            ids = ids if ids is not None else engine.tokenize(text)
+            engine._validate_prompt(ids, SamplingParams(max_tokens=params.max_tokens))
+            token_lists.append(ids)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(token_lists), desc="Beam search")
+        try:
+            return BeamSearchDriver(engine).run(token_lists, params, progress=bar)
+        finally:
+            if bar is not None:
+                bar.close()
 
     def apply_chat_template(self, conversation: Sequence[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> str:

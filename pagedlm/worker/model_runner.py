@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.core.request import Request
 from pagedlm.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagedlm.sample.sampler import (
     Sampler,
@@ -47,8 +48,10 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     order: list[ScheduledRequest]  # requests in batch order (decodes first)
-    logits_indices: torch.Tensor  # [num_sampled] token index of each sampled request's last token
-    sampled: list[ScheduledRequest]
+    logits_indices: torch.Tensor  # [num_sampled] token index of each sampled row's last token
+    # The request behind each sampled row: a request that reached its last token, then
+    # each sample forked from it at this step (same logits row, its own seed).
+    sampled: list[Request]
     # Prompt-logprob requests: (request, token indices into the batch, target prompt token ids)
     prompt_logprob_rows: list[tuple[ScheduledRequest, np.ndarray, np.ndarray]]
 
@@ -109,8 +112,14 @@ class ModelRunner:
             + positions % self.block_size
         )
 
-        sampled = [s for s in order if s.sample]
-        logits_indices = np.array([cu[i + 1] - 1 for i, s in enumerate(order) if s.sample], dtype=np.int64)
+        sampled: list[Request] = []
+        rows: list[int] = []
+        for i, s in enumerate(order):
+            if s.sample:
+                for request in [s.request, *s.forks]:
+                    sampled.append(request)
+                    rows.append(int(cu[i + 1]) - 1)
+        logits_indices = np.array(rows, dtype=np.int64)
 
         prompt_rows = []
         for i, s in enumerate(order):
@@ -155,6 +164,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        if sched.copy_blocks:
+            self.copy_blocks(sched.copy_blocks)
         inputs = self.prepare_inputs(sched)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
         out = ModelRunnerOutput()
@@ -165,32 +176,40 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
         states = [
             SamplingRequestState(
-                params=s.request.sampling_params,
-                seed=s.request.seed,
-                prompt_token_ids=s.request.prompt_token_ids,
-                output_token_ids=s.request.output_token_ids,
-                eos_token_ids=s.request.eos_token_ids,
+                params=r.sampling_params,
+                seed=r.seed,
+                prompt_token_ids=r.prompt_token_ids,
+                output_token_ids=r.output_token_ids,
+                eos_token_ids=r.eos_token_ids,
             )
-            for s in inputs.sampled
+            for r in inputs.sampled
         ]
         batch = make_sampling_batch(states, logits.shape[-1], logits.device)
         result = self.sampler(logits, batch)
         token_ids = result.sampled_token_ids.tolist()
-        for s, token_id in zip(inputs.sampled, token_ids):
-            out.sampled_token_ids[s.request_id] = token_id
+        for r, token_id in zip(inputs.sampled, token_ids):
+            out.sampled_token_ids[r.request_id] = token_id
         if result.sampled_logprobs is not None:
             lps = result.sampled_logprobs.tolist()
             ranks = result.sampled_ranks.tolist()
             top_ids = result.topk_token_ids.tolist()
             top_lps = result.topk_logprobs.tolist()
-            for i, s in enumerate(inputs.sampled):
-                num_top = s.request.sampling_params.logprobs
+            for i, r in enumerate(inputs.sampled):
+                num_top = r.sampling_params.logprobs
                 if num_top is None:
                     continue
-                out.logprobs[s.request_id] = TokenLogprobs(
+                out.logprobs[r.request_id] = TokenLogprobs(
                     token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
                 )
         return out
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src -> block dst in every layer's K and V cache."""
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
         for s, idx, targets in inputs.prompt_logprob_rows:

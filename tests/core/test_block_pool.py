@@ -147,14 +147,17 @@ def test_get_new_blocks_zero_and_too_many() -> None:
 
 
 def test_get_new_blocks_clears_stale_hash() -> None:
-    pool = BlockPool(2)
+    pool = BlockPool(2, enable_caching=True)
     (b,) = pool.get_new_blocks(1)
-    b.block_hash = 1234
+    pool.cache_block(b, b"h1234")
     pool.free_blocks([b])
-    assert b.block_hash == 1234  # a freed block keeps its content until reused
+    assert b.block_hash == b"h1234"  # a freed block keeps its content until reused
+    assert pool.get_cached_block(b"h1234") is b
     pool.get_new_blocks(1)  # block 1
     (again,) = pool.get_new_blocks(1)
     assert again is b and again.block_hash is None
+    assert pool.get_cached_block(b"h1234") is None
+    pool.check_invariants()
 
 
 def test_free_order_decides_reuse_order() -> None:
@@ -227,14 +230,14 @@ def test_touch_free_block_removes_it_from_queue() -> None:
 
 
 def test_touch_freed_block_keeps_hash_and_reclaims_it() -> None:
-    pool = BlockPool(4)
+    pool = BlockPool(4, enable_caching=True)
     (b,) = pool.get_new_blocks(1)
-    b.block_hash = 99
+    pool.cache_block(b, b"h99")
     pool.free_blocks([b])
     assert pool.free_queue.block_ids() == [1, 2, 3, 0]
     pool.touch([b])
     pool.check_invariants()
-    assert b.ref_cnt == 1 and b.block_hash == 99
+    assert b.ref_cnt == 1 and b.block_hash == b"h99"
     assert pool.free_queue.block_ids() == [1, 2, 3]
 
 

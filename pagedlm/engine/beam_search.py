@@ -1,0 +1,185 @@
+"""Beam search on the paged engine: beams are requests that share blocks.
+
+Every step each live beam of a group computes one token and reports its top-K
+continuations (K = (number of EOS ids + 1) * beam_width, as HF transformers keeps).
+When every beam of the group has reported, the group selects, with HF transformers'
+rules:
+
+  * candidates are ranked by cumulative logprob over all beams;
+  * a candidate that ends in EOS (or reaches max_tokens) finishes, but only if it ranks
+    among the top `beam_width`; it is scored cum_logprob / generated_len ** length_penalty
+    and the best `beam_width` finished hypotheses are kept;
+  * the best `beam_width` unfinished candidates are the next beams;
+  * the search stops when no candidate can continue, or (early_stopping=False heuristic)
+    when `beam_width` hypotheses are finished and the best running beam's score at the
+    current length cannot beat the worst of them.
+
+A parent chosen once keeps its request: only its last, not yet computed token is
+swapped. A parent chosen k times forks k - 1 children that share all its blocks (the
+partly filled last block is copied when first written). A parent not chosen is aborted
+and its blocks go back to the pool at once.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedlm.sampling_params import BeamSearchParams, SamplingParams
+
+
+@dataclass
+class _Hypothesis:
+    tokens: list[int]
+    cum_logprob: float
+    score: float
+    finish_reason: str
+
+
+@dataclass
+class BeamGroup:
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+    eos_token_ids: tuple[int, ...]
+    beams: dict[str, float] = field(default_factory=dict)  # live request id -> cum logprob
+    requests: dict[str, Request] = field(default_factory=dict)
+    candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    finished: list[_Hypothesis] = field(default_factory=list)
+    improvement_possible: bool = True
+    done: bool = False
+
+    @property
+    def num_candidates(self) -> int:
+        stops = 0 if self.params.ignore_eos else len(self.eos_token_ids)
+        return (stops + 1) * self.params.beam_width
+
+    def score(self, cum_logprob: float, generated_len: int) -> float:
+        return cum_logprob / (generated_len ** self.params.length_penalty)
+
+
+class BeamSearchDriver:
+    """Runs beam search for a batch of prompts on an LLMEngine, all groups at once."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self._ids = itertools.count()
+
+    def run(self, prompts: list[list[int]], params: BeamSearchParams, progress=None) -> list[BeamSearchOutput]:
+        engine = self.engine
+        groups = [BeamGroup(list(p), params, engine.eos_token_ids) for p in prompts]
+        owner: dict[str, BeamGroup] = {}
+        try:
+            for group in groups:
+                request = self._new_request(group, group.prompt_token_ids)
+                self.scheduler.add_request(request)
+                self._track(group, owner, request, 0.0)
+            while not all(g.done for g in groups):
+                engine.step()
+                record = engine.last_step
+                if record is None:
+                    raise RuntimeError("beam search made no progress")
+                for request in record.updated:
+                    group = owner.get(request.request_id)
+                    if group is None:
+                        continue
+                    lp = record.result.logprobs[request.request_id]
+                    group.candidates[request.request_id] = list(zip(lp.top_ids, lp.top_logprobs))
+                    request.paused = not request.is_finished()
+                for group in groups:
+                    if not group.done and group.beams and set(group.candidates) >= set(group.beams):
+                        self._select(group, owner)
+                        if group.done and progress is not None:
+                            progress.update(1)
+        except BaseException:
+            live = [rid for g in groups for rid in g.beams]
+            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
+            raise
+        return [self._output(g) for g in groups]
+
+    def _new_request(self, group: BeamGroup, token_ids: list[int]) -> Request:
+        params = SamplingParams(temperature=0.0, max_tokens=group.params.max_tokens,
+                                ignore_eos=True, detokenize=False)
+        # K may exceed the user-facing logprobs cap; this is an internal request.
+        params.logprobs = group.num_candidates
+        return Request(f"beam-{next(self._ids)}", token_ids, params, seed=0,
+                       eos_token_ids=self.engine.eos_token_ids,
+                       max_tokens=group.params.max_tokens)
+
+    @staticmethod
+    def _track(group: BeamGroup, owner: dict, request: Request, cum: float) -> None:
+        group.beams[request.request_id] = cum
+        group.requests[request.request_id] = request
+        owner[request.request_id] = group
+
+    def _select(self, group: BeamGroup, owner: dict[str, BeamGroup]) -> None:
+        width = group.params.beam_width
+        some = next(iter(group.requests.values()))
+        generated_len = some.num_output_tokens  # the candidates' generated length
+        stops = set() if group.params.ignore_eos else set(group.eos_token_ids)
+        ranked = sorted(
+            ((group.beams[rid] + lp, rid, token) for rid, cands in group.candidates.items()
+             for token, lp in cands),
+            key=lambda c: c[0], reverse=True,
+        )[: group.num_candidates]
+        at_max = generated_len >= group.params.max_tokens
+
+        running: list[tuple[float, str, int]] = []
+        new_finished: list[_Hypothesis] = []
+        for rank, (cum, rid, token) in enumerate(ranked):
+            request = group.requests[rid]
+            if token in stops or at_max:
+                if rank < width and group.improvement_possible:
+                    tokens = request.all_token_ids[:-1] + [token]
+                    reason = "stop" if token in stops else "length"
+                    new_finished.append(_Hypothesis(tokens, cum, group.score(cum, generated_len), reason))
+            elif len(running) < width:
+                running.append((cum, rid, token))
+        group.finished = sorted(group.finished + new_finished, key=lambda h: h.score,
+                                reverse=True)[:width]
+        if running and len(group.finished) == width:
+            best_running = group.score(running[0][0], generated_len)
+            if best_running <= group.finished[-1].score:
+                group.improvement_possible = False
+
+        old = dict(group.requests)
+        group.beams.clear()
+        group.requests.clear()
+        group.candidates.clear()
+        if not running or not group.improvement_possible:
+            group.done = True
+            self._abort(old.values(), owner)
+            return
+        reused: set[str] = set()
+        for cum, rid, token in running:
+            parent = old[rid]
+            if rid not in reused:
+                reused.add(rid)
+                parent.replace_last_token(token)
+                parent.paused = False
+                self._track(group, owner, parent, cum)
+            else:
+                child = self._new_request(group, parent.prompt_token_ids)
+                child.output_token_ids = parent.output_token_ids[:-1] + [token]
+                child.all_token_ids = parent.all_token_ids[:-1] + [token]
+                self.scheduler.fork_request(parent, child)
+                self._track(group, owner, child, cum)
+        self._abort([r for rid, r in old.items() if rid not in reused], owner)
+
+    def _abort(self, requests, owner: dict) -> None:
+        ids = [r.request_id for r in requests]
+        for rid in ids:
+            owner.pop(rid, None)
+        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _output(self, group: BeamGroup) -> BeamSearchOutput:
+        tokenizer = self.engine.tokenizer
+        sequences = []
+        for h in group.finished:
+            text = tokenizer.decode(h.tokens, skip_special_tokens=True) if tokenizer is not None else None
+            sequences.append(BeamSearchSequence(
+                tokens=h.tokens, cum_logprob=h.cum_logprob, text=text, finish_reason=h.finish_reason,
+                score=h.score, num_prompt_tokens=len(group.prompt_token_ids)))
+        return BeamSearchOutput(sequences=sequences)
