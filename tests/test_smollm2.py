@@ -107,3 +107,15 @@ def test_beam_search_equals_hf(llm, hf_model):
         for s, (_, score) in zip(ours, ref):
             assert s.score == pytest.approx(score, abs=1e-3)
         assert ours[0].text.startswith(tokenizer.decode(ids, skip_special_tokens=True)[:10])
+
+
+def test_cli_chat_session_streams_a_multi_turn_conversation():
+    """`pagedlm chat` driven through a pipe: two turns, the second depends on the first."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    script = "What is the capital of France?\nAnd of Italy?\n/exit\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedlm.entrypoints.cli", "chat", "--max-tokens", "40"],
+        input=script, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Paris" in proc.stdout and "Rome" in proc.stdout, proc.stdout
