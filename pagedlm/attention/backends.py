@@ -10,6 +10,7 @@ It writes this step's key/value into the cache at `meta.slot_mapping` first, the
 attends causally over each request's context read from the paged cache.
 """
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -40,12 +41,29 @@ _BACKENDS: dict[str, type] = {
 }
 
 
+def _load_triton() -> type:
+    from pagedlm.attention.triton_backend import TritonPagedAttention
+
+    return TritonPagedAttention
+
+
+# Imported on first use, so that installs without their optional package still work.
+_LAZY_BACKENDS: dict[str, Callable[[], type]] = {"triton": _load_triton}
+
+
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Return a new instance of the backend called `name` ("torch" or "reference")."""
+    """Return a new instance of the backend called `name` ("torch", "reference", "triton")."""
+    if name in _LAZY_BACKENDS:
+        try:
+            cls = _LAZY_BACKENDS[name]()
+        except ImportError as e:
+            raise ImportError(f"attention backend {name!r} needs a missing package: {e}") from e
+        return cls()
     try:
         cls = _BACKENDS[name]
     except KeyError:
         raise ValueError(
-            f"unknown attention backend {name!r}; choose one of {sorted(_BACKENDS)}"
+            f"unknown attention backend {name!r}; choose one of "
+            f"{sorted([*_BACKENDS, *_LAZY_BACKENDS])}"
         ) from None
     return cls()

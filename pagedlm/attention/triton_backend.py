@@ -1,0 +1,99 @@
+"""The Triton attention backend: fused cache write, split-K decode, paged prefill.
+
+The kernels live in `triton_kernels.py`; this class plans each step's launches from
+the host copies in the metadata (`seq_lens_cpu`, `max_query_len`), so a forward
+never reads a device tensor back. Per-step plans (split count, the fp32 partial
+buffers of split-K decode) are made by the first layer and reused by the others
+through `meta.backend_cache`.
+"""
+
+import torch
+
+from pagedlm.attention import triton_kernels as tk
+from pagedlm.attention.metadata import AttentionMetadata
+
+# Used for the split heuristic when the tensors are not on a GPU (the interpreter),
+# so that CPU tests choose the splits an H100-class GPU would.
+_DEFAULT_NUM_SMS = 132
+
+
+class TritonPagedAttention:
+    name = "triton"
+
+    def __init__(self, min_tokens_per_split: int = 256, max_splits: int = 16) -> None:
+        if min_tokens_per_split < 1 or max_splits < 1:
+            raise ValueError(
+                f"min_tokens_per_split={min_tokens_per_split} and max_splits={max_splits} "
+                "must be >= 1"
+            )
+        self.min_tokens_per_split = min_tokens_per_split
+        self.max_splits = max_splits
+        self._num_sms: dict[torch.device, int] = {}
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        num_kv_heads = key.shape[1]
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(
+                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
+            )
+        if head_dim < 16 or head_dim & (head_dim - 1):
+            raise ValueError(f"head_dim={head_dim}: the triton backend needs a power of two >= 16")
+
+        tk.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if meta.num_decodes > 0:
+            num_splits, split_len, partials = self._decode_plan(meta, query, num_kv_heads)
+            tk.paged_decode_attention(
+                out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                meta.num_decodes, scale, num_splits, split_len, partials,
+            )
+        if meta.num_prefills > 0:
+            tk.paged_prefill_attention(
+                out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                meta.query_start_loc, meta.num_decodes, meta.num_prefills,
+                meta.max_query_len, scale,
+            )
+        return out
+
+    def _decode_plan(
+        self, meta: AttentionMetadata, query: torch.Tensor, num_kv_heads: int
+    ) -> tuple[int, int, tuple[torch.Tensor, ...] | None]:
+        """(num_splits, split_len, partial buffers) for this step, made once per step."""
+        num_heads, head_dim = query.shape[1], query.shape[2]
+        key = ("triton_decode", query.device, num_heads, num_kv_heads, head_dim)
+        plan = meta.backend_cache.get(key)
+        if plan is None:
+            max_len = max(meta.seq_lens_cpu[: meta.num_decodes])
+            num_splits = tk.choose_num_splits(
+                max_len, meta.num_decodes, num_kv_heads, self._sms(query.device),
+                self.min_tokens_per_split, self.max_splits,
+            )
+            split_len = tk.split_length(max_len, num_splits, tk.DECODE_BLOCK_N)
+            partials = None
+            if num_splits > 1:
+                partials = tk.alloc_partials(
+                    meta.num_decodes, num_heads, num_splits, head_dim, query.device
+                )
+            plan = (num_splits, split_len, partials)
+            meta.backend_cache[key] = plan
+        return plan
+
+    def _sms(self, device: torch.device) -> int:
+        if device not in self._num_sms:
+            if device.type == "cuda":
+                props = torch.cuda.get_device_properties(device)
+                self._num_sms[device] = props.multi_processor_count
+            else:
+                self._num_sms[device] = _DEFAULT_NUM_SMS
+        return self._num_sms[device]
