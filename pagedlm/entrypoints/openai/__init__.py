@@ -1,0 +1,7 @@
+"""The OpenAI-compatible server (`pagedlm serve`). Light on purpose: the CLI imports the
+defaults below without loading FastAPI."""
+
+# Answer 503 once this many sequences are waiting to be scheduled.
+DEFAULT_MAX_NUM_QUEUED_REQUESTS = 1024
+# Bytes; a 128K-token prompt sent as JSON token ids fits.
+DEFAULT_MAX_REQUEST_BODY_SIZE = 4 << 20

