@@ -85,6 +85,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Beam search through the generate/serving path (vLLM's extra parameters): the beam
+    # width is best_of or n; the n best beams are returned.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -154,6 +158,19 @@ class SamplingParams:
             # Stop strings are matched on detokenized text; without it they could
             # never fire and the request would silently run to max_tokens.
             raise ValueError("stop strings require detokenize=True (got detokenize=False)")
+
+        if not isinstance(self.use_beam_search, bool):
+            raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if self.use_beam_search:
+            if self.max_tokens is None:
+                raise ValueError("max_tokens must be set when use_beam_search is true")
+            if self.stop or self.min_tokens or self.logprobs is not None or self.prompt_logprobs is not None:
+                raise ValueError("use_beam_search does not combine with stop strings, min_tokens "
+                                 "or logprobs")
+            if (self.best_of or self.n) > MAX_BEAM_WIDTH:
+                raise ValueError(f"beam width (best_of or n) must be <= {MAX_BEAM_WIDTH}, got "
+                                 f"{self.best_of or self.n}")
 
         if self.is_greedy:
             self.top_p = 1.0

@@ -60,44 +60,56 @@ class BeamGroup:
 
 
 class BeamSearchDriver:
-    """Runs beam search for a batch of prompts on an LLMEngine, all groups at once."""
+    """Beam-search groups on an LLMEngine, advanced by the engine after every step."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self.scheduler = engine.scheduler
         self._ids = itertools.count()
+        self.groups: dict[str, BeamGroup] = {}  # user request id -> group
+        self.owner: dict[str, BeamGroup] = {}  # beam request id -> group
+        self.group_ids: dict[int, str] = {}  # id(group) -> user request id
 
-    def run(self, prompts: list[list[int]], params: BeamSearchParams, progress=None) -> list[BeamSearchOutput]:
-        engine = self.engine
-        groups = [BeamGroup(list(p), params, engine.eos_token_ids) for p in prompts]
-        owner: dict[str, BeamGroup] = {}
-        try:
-            for group in groups:
-                request = self._new_request(group, group.prompt_token_ids)
-                self.scheduler.add_request(request)
-                self._track(group, owner, request, 0.0)
-            while not all(g.done for g in groups):
-                engine.step()
-                record = engine.last_step
-                if record is None:
-                    raise RuntimeError("beam search made no progress")
-                for request in record.updated:
-                    group = owner.get(request.request_id)
-                    if group is None:
-                        continue
-                    lp = record.result.logprobs[request.request_id]
-                    group.candidates[request.request_id] = list(zip(lp.top_ids, lp.top_logprobs))
-                    request.paused = not request.is_finished()
-                for group in groups:
-                    if not group.done and group.beams and set(group.candidates) >= set(group.beams):
-                        self._select(group, owner)
-                        if group.done and progress is not None:
-                            progress.update(1)
-        except BaseException:
-            live = [rid for g in groups for rid in g.beams]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            raise
-        return [self._output(g) for g in groups]
+    def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        if request_id in self.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        group = BeamGroup(list(prompt_token_ids), params, self.engine.eos_token_ids)
+        request = self._new_request(group, group.prompt_token_ids)
+        self.scheduler.add_request(request)
+        self.groups[request_id] = group
+        self.group_ids[id(group)] = request_id
+        self._track(group, self.owner, request, 0.0)
+
+    def has_groups(self) -> bool:
+        return bool(self.groups)
+
+    def abort(self, request_id: str) -> bool:
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return False
+        self.group_ids.pop(id(group), None)
+        self._abort(list(group.requests.values()), self.owner)
+        return True
+
+    def on_step(self, record) -> list[tuple[str, BeamSearchOutput]]:
+        """Record this step's candidates; select for every group whose beams all reported.
+        Returns the groups that finished, as (request id, output)."""
+        for request in record.updated:
+            group = self.owner.get(request.request_id)
+            if group is None:
+                continue
+            lp = record.result.logprobs[request.request_id]
+            group.candidates[request.request_id] = list(zip(lp.top_ids, lp.top_logprobs))
+            request.paused = not request.is_finished()
+        finished = []
+        for request_id, group in list(self.groups.items()):
+            if group.beams and set(group.candidates) >= set(group.beams):
+                self._select(group, self.owner)
+                if group.done:
+                    del self.groups[request_id]
+                    self.group_ids.pop(id(group), None)
+                    finished.append((request_id, self._output(group)))
+        return finished
 
     def _new_request(self, group: BeamGroup, token_ids: list[int]) -> Request:
         params = SamplingParams(temperature=0.0, max_tokens=group.params.max_tokens,

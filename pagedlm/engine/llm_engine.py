@@ -19,8 +19,8 @@ from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedlm.engine.stats import EngineStats, KVUsageSample
-from pagedlm.outputs import RequestOutput
-from pagedlm.sampling_params import SamplingParams
+from pagedlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 from pagedlm.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
@@ -175,6 +175,11 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self.kv_usage: list[KVUsageSample] = []
         self.last_step: StepRecord | None = None
+        from pagedlm.engine.beam_search import BeamSearchDriver
+
+        self.beam_search = BeamSearchDriver(self)
+        # Beam-search requests: request id -> (prompt text, number of beams to return, arrival)
+        self._beam_requests: dict[str, tuple[str | None, int, float]] = {}
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
@@ -229,7 +234,7 @@ class LLMEngine:
         and the others fork from it when it samples its first token, sharing its blocks."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
-        if self.output_processor.has_request(request_id):
+        if self.output_processor.has_request(request_id) or request_id in self._beam_requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
             if prompt is None:
@@ -237,6 +242,14 @@ class LLMEngine:
             prompt_token_ids = self.tokenize(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         self._validate_prompt(prompt_token_ids, params)
+        if params.use_beam_search:
+            beam_params = BeamSearchParams(
+                beam_width=params.best_of or params.n, max_tokens=params.max_tokens,
+                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                length_penalty=params.length_penalty)
+            self.add_beam_search_request(request_id, prompt_token_ids, beam_params, prompt=prompt,
+                                         num_returned=params.n, arrival_time=arrival_time)
+            return
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -265,6 +278,44 @@ class LLMEngine:
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind,
                                           sequences, arrival)
 
+    def add_beam_search_request(self, request_id: str, prompt_token_ids: list[int],
+                                params: BeamSearchParams, prompt: str | None = None,
+                                num_returned: int | None = None,
+                                arrival_time: float | None = None) -> None:
+        """Queue a beam search; its RequestOutput (the best `num_returned` beams, default
+        all) comes out of `step()` when the search ends, with the full BeamSearchOutput in
+        `output.extra["beam_search"]`."""
+        if self.output_processor.has_request(request_id) or request_id in self._beam_requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self._validate_prompt(prompt_token_ids, SamplingParams(max_tokens=params.max_tokens))
+        self.beam_search.add(request_id, prompt_token_ids, params)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._beam_requests[request_id] = (prompt, num_returned or params.beam_width, arrival)
+
+    def _beam_output(self, request_id: str, result, finished_reason: str | None = None) -> RequestOutput:
+        prompt, num_returned, arrival = self._beam_requests.pop(request_id)
+        now = time.monotonic()
+        completions = []
+        for i, seq in enumerate(result.sequences[:num_returned] if result is not None else []):
+            generated = seq.generated_token_ids
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=generated, cumulative_logprob=seq.cum_logprob,
+                finish_reason=seq.finish_reason))
+        if finished_reason is not None and not completions:
+            completions = [CompletionOutput(index=i, text="", token_ids=[], finish_reason=finished_reason)
+                           for i in range(num_returned)]
+        prompt_ids = result.sequences[0].tokens[: result.sequences[0].num_prompt_tokens] \
+            if result is not None and result.sequences else []
+        return RequestOutput(
+            request_id=request_id, prompt=prompt, prompt_token_ids=prompt_ids,
+            outputs=completions, finished=True,
+            metrics=RequestMetrics(arrival_time=arrival, finished_time=now),
+            extra={"beam_search": result} if result is not None else {},
+        )
+
     def _validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num = len(prompt_token_ids)
         if num == 0:
@@ -289,6 +340,9 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
+            if self.beam_search.abort(request_id):
+                outputs.append(self._beam_output(request_id, None, finished_reason="abort"))
+                continue
             seq_ids = self.output_processor.sequence_ids(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             output = self.output_processor.abort(request_id)
@@ -312,6 +366,9 @@ class LLMEngine:
             [s.request_id for s in sched.scheduled], updated, result)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        if self.beam_search.has_groups():
+            for request_id, beams in self.beam_search.on_step(self.last_step):
+                outputs.append(self._beam_output(request_id, beams))
         self._num_steps += 1
         self._num_prompt_tokens += sum(
             min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.num_computed_tokens))

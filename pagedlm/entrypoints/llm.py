@@ -92,8 +92,6 @@ class LLM:
         """Beam search for each prompt; per prompt, `.sequences` holds the best
         `beam_width` hypotheses, best first, each with `.tokens` (prompt + generated ids),
         `.text` (the decode of `.tokens`, as vLLM returns it) and `.cum_logprob`."""
-        from pagedlm.engine.beam_search import BeamSearchDriver
-
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if not isinstance(prompts, (list, tuple)):
@@ -105,16 +103,17 @@ class LLM:
             ids = ids if ids is not None else engine.tokenize(text)
             engine._validate_prompt(ids, SamplingParams(max_tokens=params.max_tokens))
             token_lists.append(ids)
-        bar = None
-        if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=len(token_lists), desc="Beam search")
+        ids = []
         try:
-            return BeamSearchDriver(engine).run(token_lists, params, progress=bar)
-        finally:
-            if bar is not None:
-                bar.close()
+            for tokens in token_lists:
+                request_id = str(next(self._counter))
+                engine.add_beam_search_request(request_id, tokens, params)
+                ids.append(request_id)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        outputs = self._run_engine(ids, use_tqdm)
+        return [o.extra["beam_search"] for o in outputs]
 
     def apply_chat_template(self, conversation: Sequence[dict], add_generation_prompt: bool = True,
                             chat_template: str | None = None) -> str:

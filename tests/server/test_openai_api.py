@@ -200,6 +200,16 @@ def test_metrics(client, http):
     assert metric_value(text, "pagedlm:request_success_total", {"finished_reason": "length"}) >= 1
     assert metric_value(text, "pagedlm:time_to_first_token_seconds_count") >= 1
     assert 0.0 <= metric_value(text, "pagedlm:kv_cache_usage_perc") <= 1.0
+    # Block sharing: the same prompt twice hits the prefix cache.
+    for _ in range(2):
+        client.completions.create(model=TINY_NAME, prompt="shared prefix " * 12, max_tokens=1, **GREEDY)
+    text = http.get("/metrics").text
+    assert metric_value(text, "pagedlm:prefix_cache_hits_total") >= 16  # one full block
+    assert metric_value(text, "pagedlm:prefix_cache_queries_total") >= metric_value(
+        text, "pagedlm:prefix_cache_hits_total")
+    for name in ("pagedlm:kv_blocks_shared", "pagedlm:kv_tokens_held", "pagedlm:kv_tokens_held_unshared",
+                 "pagedlm:kv_block_copies_total"):
+        assert name in text, name
 
 
 def test_cors_is_off_by_default(server):
@@ -216,3 +226,20 @@ def test_cors_when_allowed(busy_server):
     r = httpx.options(f"{busy_server.url}/v1/completions",
                       headers={"Origin": "http://evil.example", **preflight})
     assert "access-control-allow-origin" not in r.headers
+
+
+def test_beam_search_through_the_server(client, tiny_model_dir):
+    """`use_beam_search` with `n` (vLLM's extra parameter): the n best beams, best first,
+    equal to the offline LLM.beam_search on the same model."""
+    from pagedlm import LLM, BeamSearchParams
+
+    prompt = "The capital of France is"
+    r = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=6, n=2,
+                                  extra_body={"use_beam_search": True, "best_of": 3,
+                                              "ignore_eos": True, "length_penalty": 1.0})
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 2 and r.usage.completion_tokens == 12
+    llm = LLM(tiny_model_dir, kv_cache_memory=32 << 20, max_model_len=1024)
+    ref = llm.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))[0]
+    tok = llm.get_tokenizer()
+    assert texts == [tok.decode(s.generated_token_ids, skip_special_tokens=True) for s in ref.sequences[:2]]

@@ -69,6 +69,15 @@ class _EngineCollector(Collector):
                       stats.prefix_cache_queries)
         yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                       stats.prefix_cache_hits)
+        yield gauge("kv_blocks_shared", "KV blocks referenced by more than one sequence.",
+                    stats.num_blocks_shared)
+        yield gauge("kv_tokens_held", "Tokens whose K/V are cached for live sequences (shared once).",
+                    stats.num_tokens_held)
+        yield gauge("kv_tokens_held_unshared",
+                    "Tokens live sequences would hold without block sharing.",
+                    stats.num_tokens_held_unshared)
+        yield counter("kv_block_copies", "Copy-on-write block copies since start.",
+                      stats.num_block_copies)
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], {"num_blocks": str(stats.num_blocks_total),
                              "block_size": str(stats.block_size)})

@@ -89,6 +89,7 @@ class SamplingFields(OpenAIModel):
     # Handled by the engine only if it supports them (checked at request time).
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     use_beam_search: bool | None = None
+    length_penalty: float | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -35,7 +35,7 @@ MIN_LOGPROB = -9999.0
 _PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
                 "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
                 "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                "spaces_between_special_tokens")
+                "spaces_between_special_tokens", "length_penalty")
 
 
 class ClientDisconnected(Exception):
