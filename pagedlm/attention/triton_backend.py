@@ -4,7 +4,9 @@ The kernels live in `triton_kernels.py`; this class plans each step's launches f
 the host copies in the metadata (`seq_lens_cpu`, `max_query_len`), so a forward
 never reads a device tensor back. Per-step plans (split count, the fp32 partial
 buffers of split-K decode) are made by the first layer and reused by the others
-through `meta.backend_cache`.
+through `meta.backend_cache`. Under CUDA graphs each captured batch size keeps one
+metadata object for its graph's life (`worker/cuda_graphs.py`), so its plan and
+partial buffers are static per size.
 """
 
 import torch
@@ -19,6 +21,10 @@ _DEFAULT_NUM_SMS = 132
 
 class TritonPagedAttention:
     name = "triton"
+    # Graph-safe: launches depend only on host values in the metadata, which the decode
+    # graph runner keeps fixed per captured size (upper bounds), and padding rows
+    # (slot -1, seq_len 0) write no K/V and get an output of 0 (see triton_kernels).
+    supports_cuda_graphs = True
 
     def __init__(self, min_tokens_per_split: int = 256, max_splits: int = 16) -> None:
         if min_tokens_per_split < 1 or max_splits < 1:

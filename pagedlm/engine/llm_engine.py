@@ -157,6 +157,12 @@ class LLMEngine:
 
         self.runner.bind_kv_cache(allocate_kv_cache(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device))
+        # Decode steps replay CUDA graphs unless told not to, or the backend plans from
+        # per-step host values a graph would freeze (the torch backend's length buckets).
+        self.cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
+                            and getattr(backend, "supports_cuda_graphs", False))
+        if self.cuda_graphs:
+            self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len, capture=True)
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(

@@ -43,6 +43,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton", "reference"],
+                   help="paged-attention implementation (triton: GPU kernels; CUDA graphs need it)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -53,7 +55,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        num_threads=args.num_threads,
+        num_threads=args.num_threads, attention_backend=args.attention_backend,
     )
 
 

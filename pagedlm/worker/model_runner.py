@@ -21,6 +21,7 @@ from pagedlm.sample.sampler import (
     compute_logprobs,
     make_sampling_batch,
 )
+from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 
 
 @dataclass
@@ -65,6 +66,23 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.sampler = Sampler()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.decode_graphs: DecodeGraphRunner | None = None
+        # Step inputs go to a GPU through pinned host memory, asynchronously (the caching
+        # host allocator keeps each pinned block alive until its copy has run); on CPU
+        # they are used in place.
+        if device.type == "cuda":
+            self._upload = lambda a: torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
+        else:
+            self._upload = torch.from_numpy
+        self._forward = self._forward_eager
+
+    def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Run pure-decode steps padded through static buffers, replaying CUDA graphs if
+        `capture` (CUDA only; call after `bind_kv_cache`: graphs hold the cache addresses).
+        Without capture the same padded path runs eagerly, which is what CPU tests check."""
+        self.decode_graphs = DecodeGraphRunner(self.model, self.device, max_num_seqs,
+                                               max_model_len, self.block_size, capture)
+        self._forward = self._forward_padded
 
     def bind_kv_cache(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         layers = self.model.attention_layers()
@@ -135,7 +153,7 @@ class ModelRunner:
             targets = np.array(request.prompt_token_ids[first + 1 : last + 1], dtype=np.int64)
             prompt_rows.append((s, idx, targets))
 
-        dev = self.device
+        up = self._upload
         meta = AttentionMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,
@@ -143,19 +161,19 @@ class ModelRunner:
             num_tokens=num_tokens,
             max_query_len=int(q_lens.max()),
             max_seq_len=int(seq_lens.max()),
-            query_start_loc=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(seq_lens).to(dev),
-            block_tables=torch.from_numpy(block_tables).to(dev),
-            slot_mapping=torch.from_numpy(slot_mapping).to(dev),
+            query_start_loc=up(cu),
+            seq_lens=up(seq_lens),
+            block_tables=up(block_tables),
+            slot_mapping=up(slot_mapping),
             query_start_loc_cpu=cu.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return StepInputs(
-            input_ids=torch.from_numpy(input_ids).to(dev),
-            positions=torch.from_numpy(positions).to(dev),
+            input_ids=up(input_ids),
+            positions=up(positions),
             meta=meta,
             order=order,
-            logits_indices=torch.from_numpy(logits_indices).to(dev),
+            logits_indices=up(logits_indices),
             sampled=sampled,
             prompt_logprob_rows=prompt_rows,
         )
@@ -167,7 +185,7 @@ class ModelRunner:
         if sched.copy_blocks:
             self.copy_blocks(sched.copy_blocks)
         inputs = self.prepare_inputs(sched)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+        hidden = self._forward(inputs)  # [num_tokens, hidden]
         out = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, out)
@@ -202,6 +220,15 @@ class ModelRunner:
                     token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
                 )
         return out
+
+    def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+
+    def _forward_padded(self, inputs: StepInputs) -> torch.Tensor:
+        # Prompt logprobs only come with prefill tokens, so a pure-decode step has none.
+        if self.decode_graphs.can_run(inputs.meta):
+            return self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        return self._forward_eager(inputs)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src -> block dst in every layer's K and V cache."""
