@@ -120,8 +120,9 @@ class LLMEngine:
             self.tokenizer = load_tokenizer_for(source, args.tokenizer)
 
         backend = get_attention_backend(args.attention_backend)
-        self.model = build_model(source, backend, model_max_len, self.dtype, self.device,
-                                 args.load_format, args.seed)
+        # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
+        self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
+                                 self.device, args.load_format, args.seed)
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         num_layers = cfg.num_hidden_layers

@@ -1,8 +1,14 @@
-"""Rotary position embedding (rotate-half / NeoX layout, as HF Llama uses).
+"""Rotary position embedding.
 
 cos/sin are precomputed for every position up to max_position and looked up by
 `positions`, so a step with tokens at arbitrary positions (chunked prefill, decodes of
 different lengths) costs one gather.
+
+Two layouts of the rotated pairs within the first `rotary_dim` dims of a head
+(the remaining head_dim - rotary_dim dims pass through unchanged, "partial rotary"):
+
+    rotate-half (Llama, NeoX):  pairs (x[i], x[i + rotary_dim/2])   cos/sin = [f0..fn, f0..fn]
+    interleaved (GPT-J):        pairs (x[2i], x[2i + 1])            cos/sin = [f0,f0, f1,f1, ..]
 """
 
 from __future__ import annotations
@@ -27,10 +33,14 @@ def rope_parameters(config) -> dict:
     return params
 
 
-def compute_inv_freq(config, head_dim: int, partial_rotary_factor: float = 1.0) -> tuple[torch.Tensor, float]:
+def compute_inv_freq(config, head_dim: int, partial_rotary_factor: float = 1.0,
+                     rotary_dim: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rotary_dim / 2], attention scaling); `rotary_dim`, when given, overrides
+    head_dim * partial_rotary_factor (avoids float rounding of the product)."""
     params = rope_parameters(config)
     rope_type = params["rope_type"]
-    rotary_dim = int(head_dim * partial_rotary_factor)
+    if rotary_dim is None:
+        rotary_dim = int(head_dim * partial_rotary_factor)
     if rope_type == "default":
         base = params["rope_theta"]
         inv_freq = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
@@ -50,22 +60,52 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    # [..., d] -> pairs (x[2i], x[2i+1]) become (-x[2i+1], x[2i])
+    x1 = x[..., ::2]
+    x2 = x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype) -> None:
+    """Applies RoPE to query and key.
+
+    `rotary_dim` (default: all of head_dim) is how many leading dims of each head rotate;
+    `interleaved` picks the GPT-J pair layout instead of rotate-half.
+    """
+
+    def __init__(self, config, head_dim: int, max_position: int, dtype: torch.dtype, *,
+                 rotary_dim: int | None = None, interleaved: bool = False) -> None:
         super().__init__()
-        inv_freq, scaling = compute_inv_freq(config, head_dim)
+        rotary_dim = head_dim if rotary_dim is None else rotary_dim
+        if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim ({rotary_dim}) must be even and in (0, head_dim={head_dim}]")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        inv_freq, scaling = compute_inv_freq(config, head_dim, rotary_dim=rotary_dim)
         positions = torch.arange(max_position, dtype=torch.float)
         freqs = positions[:, None] * inv_freq[None, :]  # [max_position, rotary_dim / 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+        if interleaved:
+            emb = freqs.repeat_interleave(2, dim=-1)  # [max_position, rotary_dim]
+            self._rotate = rotate_every_two
+        else:
+            emb = torch.cat((freqs, freqs), dim=-1)  # [max_position, rotary_dim]
+            self._rotate = rotate_half
         self.register_buffer("cos_cache", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (emb.sin() * scaling).to(dtype), persistent=False)
+        self._apply_rope = self._apply_full if rotary_dim == head_dim else self._apply_partial
+
+    def _apply_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + self._rotate(x) * sin
+
+    def _apply_partial(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        return torch.cat((rot * cos + self._rotate(rot) * sin, rest), dim=-1)
 
     def forward(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # query [num_tokens, num_heads, head_dim], key [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, head_dim]
+        cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
-        query = query * cos + rotate_half(query) * sin
-        key = key * cos + rotate_half(key) * sin
-        return query, key
+        return self._apply_rope(query, cos, sin), self._apply_rope(key, cos, sin)
