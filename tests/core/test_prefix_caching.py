@@ -264,3 +264,76 @@ def test_random_workloads_hits_hold_the_right_tokens(data):
         kv.free(r)
     kv.check_invariants([])
     assert kv.num_free_blocks == num_blocks
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_random_forks_appends_and_frees_keep_contents_and_counts_exact(data):
+    """Fork, append (with copy-on-write), free in any order: every table still reads back
+    exactly its own tokens, ref counts stay exact, and everything returns to the pool."""
+    num_blocks = data.draw(st.integers(6, 30))
+    kv = KVCacheManager(num_blocks, BS, enable_caching=data.draw(st.booleans()))
+    content: dict[int, list[int]] = {}  # block id -> tokens written there (shadow cache)
+    live: list[Request] = []
+    counter = 0
+
+    def write(r: Request, start: int) -> None:
+        for pos in range(start, r.num_tokens):
+            blk = kv.req_to_blocks[r.request_id][pos // BS]
+            slot = content.setdefault(blk.block_id, [])
+            del slot[pos % BS :]
+            slot.append(r.all_token_ids[pos])
+
+    def apply_copies() -> None:
+        for src, dst in kv.take_pending_copies():
+            content[dst] = list(content.get(src, []))
+
+    def check(r: Request) -> None:
+        blocks = kv.req_to_blocks[r.request_id]
+        for pos in range(r.num_computed_tokens):
+            assert content[blocks[pos // BS].block_id][pos % BS] == r.all_token_ids[pos], (r, pos)
+
+    for _ in range(data.draw(st.integers(1, 30))):
+        op = data.draw(st.sampled_from(["new", "fork", "append", "free"]))
+        if op == "new" or not live:
+            counter += 1
+            r = req(f"r{counter}", data.draw(st.lists(st.integers(0, 3), min_size=1, max_size=10)))
+            hits = kv.get_computed_blocks(r)
+            if kv.allocate_slots(r, r.num_tokens - len(hits) * BS, hits):
+                apply_copies()
+                write(r, len(hits) * BS)
+                r.num_computed_tokens = r.num_tokens
+                kv.cache_blocks(r, r.num_tokens)
+                live.append(r)
+            else:
+                kv.free(r)
+        elif op == "fork":
+            parent = data.draw(st.sampled_from(live))
+            counter += 1
+            child = req(f"r{counter}", parent.prompt_token_ids)
+            child.output_token_ids = list(parent.output_token_ids)
+            child.all_token_ids = list(parent.all_token_ids)
+            kv.fork(parent, child)
+            child.num_computed_tokens = parent.num_computed_tokens
+            live.append(child)
+        elif op == "append":
+            r = data.draw(st.sampled_from(live))
+            r.append_output_token(data.draw(st.integers(4, 9)))
+            if kv.allocate_slots(r, 1):
+                apply_copies()
+                write(r, r.num_computed_tokens)
+                r.num_computed_tokens += 1
+                kv.cache_blocks(r, r.num_computed_tokens)
+            else:  # no room: drop the token again, as a preempted request would recompute
+                r.output_token_ids.pop()
+                r.all_token_ids.pop()
+        else:
+            r = live.pop(data.draw(st.integers(0, len(live) - 1)))
+            kv.free(r)
+        kv.check_invariants(live)
+        for r in live:
+            check(r)
+    for r in live:
+        kv.free(r)
+    kv.check_invariants([])
+    assert kv.num_free_blocks == num_blocks
