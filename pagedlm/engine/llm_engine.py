@@ -125,9 +125,13 @@ class LLMEngine:
                                  self.device, args.load_format, args.seed)
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
-        num_layers = cfg.num_hidden_layers
-        num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        # The cache geometry comes from the model's own attention layers: config names for
+        # KV heads differ between architectures (Falcon's multi_query, GPT-2's n_head, ...).
+        attn_layers = self.model.attention_layers()
+        num_layers = len(attn_layers)
+        num_kv_heads = attn_layers[0].num_kv_heads
+        head_dim = attn_layers[0].head_dim
+        assert all((a.num_kv_heads, a.head_dim) == (num_kv_heads, head_dim) for a in attn_layers)
         block_size = args.block_size
         block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, self.dtype)
         self.runner = ModelRunner(self.model, self.device, block_size, self.vocab_size)

@@ -40,15 +40,31 @@ def resolve_model_source(model: str | None) -> ModelSource:
         from transformers import AutoConfig
 
         with open(os.path.join(path, "config.json")) as f:
-            if "auto_map" in json.load(f):
-                logger.info("ignoring auto_map in %s: remote code is never run", path)
-        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+            raw = json.load(f)
+        if "auto_map" in raw:
+            logger.info("ignoring auto_map in %s: remote code is never run", path)
+        try:
+            hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
+        except (ValueError, KeyError) as e:
+            hf_config = _remote_config(raw, e)
         return ModelSource(path, "safetensors", hf_config)
     if os.path.exists(path):
         raise ValueError(f"model {path!r} is neither a HuggingFace directory nor a .gguf file")
     raise ValueError(
         f"model {path!r} not found (no such file or directory; models are never downloaded)"
     )
+
+
+def _remote_config(raw: dict, error: Exception):
+    """A native config for a model_type transformers does not know (remote-code checkpoints),
+    built from config.json alone; the registry's error when no architecture is supported."""
+    from pagedlm.models.remote_configs import remote_config_from_dict
+
+    config = remote_config_from_dict(raw)
+    if config is not None:
+        return config
+    resolve_model_class(raw.get("architectures"))  # raises, listing the supported ones
+    raise error  # a supported architecture with a model_type we cannot map
 
 
 def build_model(

@@ -16,6 +16,14 @@ _MODELS = {
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
     "OPTForCausalLM": ("opt", "OPTForCausalLM"),
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "FalconForCausalLM": ("falcon", "FalconForCausalLM"),
+    "QWenLMHeadModel": ("qwen", "QWenLMHeadModel"),
+    "BaichuanForCausalLM": ("baichuan", "BaichuanForCausalLM"),
+    "BaiChuanForCausalLM": ("baichuan", "BaichuanForCausalLM"),
+    "InternLMForCausalLM": ("internlm", "InternLMForCausalLM"),
+    "AquilaForCausalLM": ("internlm", "AquilaForCausalLM"),
+    "AquilaModel": ("internlm", "AquilaForCausalLM"),
 }
 
 
