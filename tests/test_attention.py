@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pagedlm.attention.alibi import alibi_slopes
 from pagedlm.attention.backends import get_attention_backend
 from pagedlm.attention.reference import ReferenceAttention
 from pagedlm.attention.testing import AttentionCase, make_attention_case
@@ -63,13 +64,14 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def check_case(case: AttentionCase, tag: str = "") -> float:
+def check_case(case: AttentionCase, tag: str = "", slopes: torch.Tensor | None = None) -> float:
     """Run both backends on copies of the cache; compare outputs and the caches."""
     k_ref, v_ref = case.clone_caches()
     k_fast, v_fast = case.clone_caches()
     args = (case.query, case.key, case.value)
-    ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale)
-    fast = TorchPagedAttention().forward(*args, k_fast, v_fast, case.meta, case.scale)
+    extra = {} if slopes is None else {"alibi_slopes": slopes}
+    ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale, **extra)
+    fast = TorchPagedAttention().forward(*args, k_fast, v_fast, case.meta, case.scale, **extra)
 
     assert fast.shape == case.query.shape and fast.dtype == case.query.dtype
     assert torch.isfinite(ref).all() and torch.isfinite(fast).all()
@@ -295,3 +297,80 @@ def test_length_bucketed_decodes_match_reference():
                           case.v_cache.clone(), case.meta, case.scale)
     assert len(case.meta.backend_cache["decode_groups"]) > 2
     torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)
+
+
+def _direct_alibi_slopes(n: int) -> list[float]:
+    """The ALiBi paper's rule, written out: 2^(-8k/n) for k = 1..n when n is a power of two;
+    otherwise the slopes of the largest power of two p < n, then the odd-k slopes of 2p heads."""
+    p = 1
+    while p * 2 <= n:
+        p *= 2
+    first = [2.0 ** (-8.0 * k / p) for k in range(1, p + 1)]
+    extra = [2.0 ** (-8.0 * k / (2 * p)) for k in range(1, 2 * p + 1, 2)]
+    return first + extra[: n - p]
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3, 4, 6, 8, 12, 16, 20, 32, 40])
+def test_alibi_slopes_match_formula(num_heads: int) -> None:
+    got = alibi_slopes(num_heads)
+    assert got.shape == (num_heads,) and got.dtype == torch.float32
+    expected = torch.tensor(_direct_alibi_slopes(num_heads), dtype=torch.float32)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    assert len(set(got.tolist())) == num_heads
+
+
+def test_alibi_slopes_power_of_two_values() -> None:
+    assert alibi_slopes(8).tolist() == [2.0**-k for k in range(1, 9)]
+    assert alibi_slopes(6).tolist() == [0.25, 0.0625, 2.0**-6, 2.0**-8, 0.5, 0.125]
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 6), (9, 3), (8, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_mixed_batch_alibi(block_size: int, heads: tuple[int, int]) -> None:
+    num_heads, num_kv_heads = heads
+    case = make_attention_case(mixed_layout(block_size), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               head_dim=64, block_size=block_size, seed=block_size + num_heads)
+    slopes = alibi_slopes(num_heads)
+    assert check_case(case, f"alibi bs{block_size} {heads}", slopes=slopes) < 1e-5
+    # Not vacuous: the bias changes the output of every request with more than one key.
+    k_cache, v_cache = case.clone_caches()
+    plain = TorchPagedAttention().forward(case.query, case.key, case.value, k_cache, v_cache,
+                                          case.meta, case.scale)
+    k_cache, v_cache = case.clone_caches()
+    biased = TorchPagedAttention().forward(case.query, case.key, case.value, k_cache, v_cache,
+                                           case.meta, case.scale, alibi_slopes=slopes)
+    assert (plain - biased).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mixed_batch_alibi_low_precision(dtype: torch.dtype) -> None:
+    case = make_attention_case(mixed_layout(16), num_heads=6, num_kv_heads=2, head_dim=64,
+                               block_size=16, dtype=dtype, seed=7)
+    check_case(case, "alibi", slopes=alibi_slopes(6))
+
+
+def test_reference_alibi_matches_dense_formula() -> None:
+    """One fresh prompt: softmax(q k^T * scale + slope_h * (j - i), causal) v, done densely."""
+    num_heads = 6
+    case = make_attention_case([(0, 13)], num_heads=num_heads, num_kv_heads=num_heads, head_dim=32,
+                               block_size=4)
+    slopes = alibi_slopes(num_heads)
+    k_cache, v_cache = case.clone_caches()
+    got = ReferenceAttention().forward(case.query, case.key, case.value, k_cache, v_cache, case.meta,
+                                       case.scale, alibi_slopes=slopes)
+    q, k, v = (t.transpose(0, 1).double() for t in (case.query, case.key, case.value))
+    pos = torch.arange(13)
+    scores = q @ k.transpose(1, 2) * case.scale  # [h, 13, 13]
+    scores = scores + slopes.double()[:, None, None] * (pos[None, :] - pos[:, None])
+    scores = scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+    expected = (scores.softmax(-1) @ v).transpose(0, 1).float()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_triton_rejects_alibi() -> None:
+    pytest.importorskip("triton")
+    backend = get_attention_backend("triton")
+    case = make_attention_case([(3, 1)], num_heads=4, num_kv_heads=4, head_dim=64, block_size=8)
+    with pytest.raises(NotImplementedError, match="ALiBi"):
+        backend.forward(case.query, case.key, case.value, *case.clone_caches(), case.meta, case.scale,
+                        alibi_slopes=alibi_slopes(4))

@@ -2,12 +2,17 @@
 
 Every backend has the same call:
 
-    backend.forward(query, key, value, k_cache, v_cache, meta, scale) -> output
+    backend.forward(query, key, value, k_cache, v_cache, meta, scale, alibi_slopes=None) -> output
     # query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim],
     # caches [num_blocks, block_size, num_kv_heads, head_dim]; output like query.
 
 It writes this step's key/value into the cache at `meta.slot_mapping` first, then
 attends causally over each request's context read from the paged cache.
+
+`alibi_slopes` ([num_heads] float32) adds the ALiBi bias `slope_h * (j - i)` to the
+score of query position i against key position j (0 on the diagonal, negative
+behind it). Softmax is shift-invariant per row, so this equals HF BLOOM's
+`slope_h * j`; the relative form keeps the bias small on long contexts.
 """
 
 from collections.abc import Callable
@@ -32,6 +37,7 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -29,6 +29,7 @@ class ReferenceAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     ) -> torch.Tensor:
         num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
@@ -74,6 +75,10 @@ class ReferenceAttention:
                 k = keys[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
                 v = values[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
                 scores = torch.einsum("hd,khd->hk", q, k) * scale  # [num_heads, pos + 1]
+                if alibi_slopes is not None:
+                    # ALiBi: key j gets slope_h * (j - pos), i.e. 0 on the diagonal.
+                    distance = torch.arange(pos + 1, device=query.device) - pos  # [pos + 1]
+                    scores = scores + alibi_slopes.float()[:, None] * distance[None, :]
                 scores = scores - scores.max(dim=-1, keepdim=True).values
                 weights = scores.exp()  # [num_heads, pos + 1]
                 weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -102,6 +102,7 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
     ) -> torch.Tensor:
         num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
@@ -119,10 +120,11 @@ class TorchPagedAttention:
                 groups = decode_groups(meta.seq_lens_cpu[: meta.num_decodes])
                 meta.backend_cache["decode_groups"] = groups
             for start, end, max_len in groups:
-                out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len)
+                out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len,
+                                              alibi_slopes)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale)
+            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, alibi_slopes)
         return out
 
     def _decode(
@@ -135,6 +137,7 @@ class TorchPagedAttention:
         start: int,
         end: int,
         max_len: int,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:  # [end - start, num_heads, head_dim]
         """Decodes start..end at once, padded to max_len: one gather, one SDPA call.
 
@@ -158,6 +161,13 @@ class TorchPagedAttention:
         seq_lens = meta.seq_lens[start:end]  # [B]
         positions = torch.arange(max_len, device=device)  # [L]
         valid = positions[None, :] < seq_lens[:, None]  # [B, L]
+        mask = valid[:, None, None, :]  # [B, 1, 1, L]
+        if alibi_slopes is not None:
+            # The query sits at position seq_len - 1; key j gets slope_h * (j - (seq_len - 1)).
+            distance = positions[None, :] - (seq_lens[:, None] - 1)  # [B, L]
+            slopes = alibi_slopes.float().view(num_kv_heads, group)  # [kvh, g], head = kvh * group + g
+            bias = slopes[None, :, :, None] * distance[:, None, None, :]  # [B, kvh, g, L]
+            mask = bias.masked_fill(~mask, float("-inf")).to(query.dtype)
         # Past-the-end positions re-read position 0, which is always written (finite).
         positions = torch.where(valid, positions[None, :], 0)  # [B, L]
         slots = _context_slots(meta.block_tables[start:end], positions, block_size)  # [B, L]
@@ -176,7 +186,7 @@ class TorchPagedAttention:
         q = query[start:end].reshape(num_decodes, num_kv_heads, group, head_dim)  # [B,kvh,g,d]
         # SDPA accumulates the softmax in float32 for bf16/fp16 inputs.
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=valid[:, None, None, :], scale=scale
+            q, k, v, attn_mask=mask, scale=scale
         )  # [B, num_kv_heads, group, head_dim]
         return o.reshape(num_decodes, num_heads, head_dim)
 
@@ -190,6 +200,7 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None,
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
         """One prefill (or prefill chunk) request: causal attention over its context."""
         start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
@@ -221,6 +232,13 @@ class TorchPagedAttention:
             #   query 2 (pos 5)   x x x x x x
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)  # [q_len]
             mask = positions[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+
+        if alibi_slopes is not None:
+            k_pos = torch.arange(ctx_len, device=device)  # [ctx_len]
+            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)  # [q_len]
+            distance = k_pos[None, :] - q_pos[:, None]  # [q_len, ctx_len]
+            bias = alibi_slopes.float()[:, None, None] * distance[None]  # [num_heads, q_len, ctx_len]
+            mask = bias.masked_fill(distance[None] > 0, float("-inf")).to(query.dtype)
 
         k = k.transpose(0, 1)  # [num_kv_heads, ctx_len, head_dim]
         v = v.transpose(0, 1)  # [num_kv_heads, ctx_len, head_dim]

@@ -45,7 +45,10 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if alibi_slopes is not None:
+            raise NotImplementedError("the triton attention backend does not support ALiBi; use 'torch'")
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key.shape[1]
         if num_heads % num_kv_heads != 0:
