@@ -13,6 +13,7 @@ _MODELS = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "BloomForCausalLM": ("bloom", "BloomForCausalLM"),
+    "MptForCausalLM": ("mpt", "MptForCausalLM"),
     "GPTJForCausalLM": ("gptj", "GPTJForCausalLM"),
     "GPT2LMHeadModel": ("gpt2", "GPT2LMHeadModel"),
     "GPTBigCodeForCausalLM": ("gpt_bigcode", "GPTBigCodeForCausalLM"),
