@@ -95,6 +95,7 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
+        self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept as refs change
 
     @property
     def num_free_blocks(self) -> int:
@@ -150,6 +151,8 @@ class BlockPool:
         for block in blocks:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
+            elif block.ref_cnt == 1:
+                self.num_shared_blocks += 1
             block.ref_cnt += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -161,7 +164,9 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
             block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            if block.ref_cnt == 1:
+                self.num_shared_blocks -= 1
+            elif block.ref_cnt == 0:
                 self.free_queue.append(block)
 
     def check_invariants(self) -> None:
@@ -171,6 +176,7 @@ class BlockPool:
         zero_ref = {b.block_id for b in self.blocks if b.ref_cnt == 0}
         assert set(free_ids) == zero_ref, (sorted(free_ids), sorted(zero_ref))
         assert all(b.ref_cnt >= 0 for b in self.blocks)
+        assert self.num_shared_blocks == sum(1 for b in self.blocks if b.ref_cnt > 1)
         for block_hash, block in self.cached_blocks.items():
             assert block.block_hash == block_hash, (block, block_hash)
         hashed = {b.block_id for b in self.blocks if b.block_hash is not None}

@@ -180,7 +180,7 @@ class KVCacheManager:
         return self.block_pool.num_used_blocks * self.block_size
 
     def num_shared_blocks(self) -> int:
-        return sum(1 for b in self.block_pool.blocks if b.ref_cnt > 1)
+        return self.block_pool.num_shared_blocks
 
     def num_distinct_tokens(self, requests: Sequence[Request]) -> int:
         """Token slots holding K/V, each shared slot counted once."""

@@ -63,6 +63,7 @@ class _Abort:
 
 
 _STOP = object()
+_STATS_PERIOD_S = 0.2
 
 
 class AsyncLLMEngine:
@@ -93,6 +94,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         # Replaced (never mutated) by the engine thread; reading it is atomic.
         self.stats: EngineStats = engine.get_stats()
+        self._stats_time = time.monotonic()
         self.dead_error: BaseException | None = None
 
     # ----- facts about the model, constant after construction ------------------------------
@@ -159,7 +161,12 @@ class AsyncLLMEngine:
                     self._apply(command, published)
                 if engine.has_unfinished_requests():
                     published.extend(engine.step())
-                self.stats = engine.get_stats()
+                # The snapshot walks every running request's block table: refresh it on a
+                # metrics-scrape time scale while busy, not after every step.
+                now = time.monotonic()
+                if not engine.has_unfinished_requests() or now - self._stats_time >= _STATS_PERIOD_S:
+                    self.stats = engine.get_stats()
+                    self._stats_time = now
                 if published:
                     self._publish(published)
         except BaseException as e:
