@@ -40,3 +40,31 @@ def check_greedy_match(ours: list[int], ref: list[int], ref_logprobs: torch.Tens
         f"{context}: greedy outputs diverge at token {i} ({ours[i]} vs HF {ref[i]}) and it is not "
         f"a near-tie (logprob gap {gap:.3g})\nours {ours}\nHF   {ref}"
     )
+
+
+def assert_matches_hf(path: str, hf, prompts: list[list[int]], max_tokens: int, context: str) -> None:
+    """pagedlm on the checkpoint at `path` against the HF model `hf` on the same weights:
+    greedy tokens batched and with chunked prefill (budget 7 tokens, across blocks of 4),
+    then prompt logprobs of prompts[1] within 1e-4."""
+    import pytest
+
+    from pagedlm import LLM, SamplingParams
+
+    refs = [hf_greedy(hf, p, max_tokens) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    for chunk in (None, 7):
+        extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
+        llm = LLM(path, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22, **extra)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, ref, out in zip(prompts, refs, outputs):
+            ours = out.outputs[0].token_ids
+            assert len(ours) == max_tokens
+            check_greedy_match(ours, ref, hf_logprobs_along(hf, prompt, ref), len(prompt),
+                               context=f"{context} chunk={chunk}")
+    prompt = prompts[1]
+    lp_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    out = llm.generate({"prompt_token_ids": prompt}, lp_params, use_tqdm=False)[0]
+    ref = hf_logprobs_along(hf, prompt, [])
+    for pos in range(1, len(prompt)):
+        got = out.prompt_logprobs[pos][prompt[pos]].logprob
+        assert got == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedlm import LLM, SamplingParams
 from pagedlm.layers.rotary import RotaryEmbedding
-from tests.helpers import check_greedy_match, hf_greedy, hf_logprobs_along
+from tests.helpers import assert_matches_hf
 
 PROMPTS = [
     [1, 17, 300, 42, 7],
@@ -52,25 +51,7 @@ def _hf(path: str):
 def test_greedy_and_logprobs_equal_hf(tiny_paths, arch):
     path = tiny_paths[arch]
     hf = _hf(path)
-    refs = [hf_greedy(hf, p, MAX_TOKENS) for p in PROMPTS]
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    for chunk in (None, 7):  # batched; chunked prefill across blocks
-        extra = {} if chunk is None else {"max_num_batched_tokens": chunk}
-        llm = LLM(path, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22, **extra)
-        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-        for prompt, ref, out in zip(PROMPTS, refs, outputs):
-            ours = out.outputs[0].token_ids
-            assert len(ours) == MAX_TOKENS
-            check_greedy_match(ours, ref, hf_logprobs_along(hf, prompt, ref), len(prompt),
-                               context=f"{arch} chunk={chunk}")
-
-    prompt = PROMPTS[1]
-    lp_params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
-    out = llm.generate({"prompt_token_ids": prompt}, lp_params, use_tqdm=False)[0]
-    ref = hf_logprobs_along(hf, prompt, [])
-    for pos in range(1, len(prompt)):
-        got = out.prompt_logprobs[pos][prompt[pos]].logprob
-        assert got == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+    assert_matches_hf(path, hf, PROMPTS, MAX_TOKENS, context=arch)
 
 
 def _direct_rope(x: torch.Tensor, pos: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:
