@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass
 
 from pagedlm.sampling_params import SamplingParams
 
@@ -32,17 +31,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass
-class RequestTimes:
-    """Wall-clock times (time.monotonic()) of a request's life, for metrics."""
-
-    arrival: float
-    first_scheduled: float | None = None
-    first_token: float | None = None
-    last_token: float | None = None
-    finished: float | None = None
 
 
 class Request:
@@ -91,7 +79,7 @@ class Request:
         # A paused request keeps its place and blocks but is not scheduled (a beam waiting
         # for its siblings before the next selection).
         self.paused = False
-        self.times = RequestTimes(arrival=arrival_time if arrival_time is not None else time.monotonic())
+        self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
 
     @property
     def num_prompt_tokens(self) -> int:
