@@ -64,12 +64,14 @@ def assert_same_bits(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def check_case(case: AttentionCase, tag: str = "", slopes: torch.Tensor | None = None) -> float:
-    """Run both backends on copies of the cache; compare outputs and the caches."""
+def check_case(case: AttentionCase, tag: str = "", slopes: torch.Tensor | None = None,
+               **options: object) -> float:
+    """Run both backends on copies of the cache; compare outputs and the caches.
+    `options`: sliding_window / logits_soft_cap, passed to both backends."""
     k_ref, v_ref = case.clone_caches()
     k_fast, v_fast = case.clone_caches()
     args = (case.query, case.key, case.value)
-    extra = {} if slopes is None else {"alibi_slopes": slopes}
+    extra = dict(options) if slopes is None else {"alibi_slopes": slopes, **options}
     ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale, **extra)
     fast = TorchPagedAttention().forward(*args, k_fast, v_fast, case.meta, case.scale, **extra)
 
@@ -367,10 +369,188 @@ def test_reference_alibi_matches_dense_formula() -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_triton_rejects_alibi() -> None:
-    pytest.importorskip("triton")
-    backend = get_attention_backend("triton")
-    case = make_attention_case([(3, 1)], num_heads=4, num_kv_heads=4, head_dim=64, block_size=8)
-    with pytest.raises(NotImplementedError, match="ALiBi"):
-        backend.forward(case.query, case.key, case.value, *case.clone_caches(), case.meta, case.scale,
-                        alibi_slopes=alibi_slopes(4))
+# ----- sliding window and logit soft-capping -----------------------------------------------
+
+
+def window_layout(bs: int) -> list[tuple[int, int]]:
+    """Decodes and chunks whose contexts run several windows past the start."""
+    decodes = [(0, 1), (5, 1), (bs, 1), (4 * bs - 1, 1), (6 * bs + 3, 1), (70, 1)]
+    prefills = [
+        (0, 3 * bs + 5),  # fresh prompt longer than the window
+        (3 * bs + 1, 2 * bs),  # chunk far past the window, mid-block
+        (2 * bs, 1),  # one-token chunk
+        (bs - 1, bs + 2),  # chunk whose window reaches back into the prefix
+    ]
+    return decodes + prefills
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("window", [1, 7, 16, 33])
+def test_sliding_window_matches_reference(window: int, block_size: int, heads: tuple[int, int]) -> None:
+    """Invisible leading blocks are the null block, full of NaN: neither backend may read them."""
+    num_heads, num_kv_heads = heads
+    case = make_attention_case(window_layout(block_size), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               head_dim=32, block_size=block_size, seed=window + block_size,
+                               num_decodes=6, sliding_window=window)
+    assert check_case(case, f"window {window} bs{block_size} {heads}", sliding_window=window) < 1e-5
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("cap", [0.5, 50.0])
+def test_soft_cap_matches_reference(cap: float, heads: tuple[int, int]) -> None:
+    num_heads, num_kv_heads = heads
+    case = make_attention_case(mixed_layout(8), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               head_dim=64, block_size=8, seed=num_heads)
+    assert check_case(case, f"softcap {cap} {heads}", logits_soft_cap=cap) < 1e-5
+
+
+@pytest.mark.parametrize("with_alibi", [False, True])
+@pytest.mark.parametrize("heads", [(6, 6), (6, 2)], ids=lambda h: f"h{h[0]}kv{h[1]}")
+def test_window_soft_cap_and_alibi_combined(heads: tuple[int, int], with_alibi: bool) -> None:
+    num_heads, num_kv_heads = heads
+    case = make_attention_case(window_layout(8), num_heads=num_heads, num_kv_heads=num_kv_heads,
+                               head_dim=32, block_size=8, seed=11, num_decodes=6, sliding_window=13)
+    slopes = alibi_slopes(num_heads) if with_alibi else None
+    check_case(case, "window+softcap", slopes=slopes, sliding_window=13, logits_soft_cap=1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_soft_cap_low_precision(dtype: torch.dtype) -> None:
+    case = make_attention_case(window_layout(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                               dtype=dtype, seed=5, num_decodes=6, sliding_window=24)
+    check_case(case, "window", sliding_window=24)
+    check_case(case, "window+softcap", sliding_window=24, logits_soft_cap=20.0)
+
+
+def test_window_and_soft_cap_change_the_output() -> None:
+    """Not vacuous: each option changes every request that has keys it affects, and a
+    window at least as long as every context changes nothing."""
+    case = make_attention_case(window_layout(8), num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+                               seed=2, num_decodes=6, fill=0.0)
+
+    def run(**options: object) -> torch.Tensor:
+        return TorchPagedAttention().forward(case.query, case.key, case.value, *case.clone_caches(),
+                                             case.meta, case.scale, **options)
+
+    plain = run()
+    assert (run(sliding_window=9) - plain).abs().max() > 1e-2
+    assert (run(logits_soft_cap=0.3) - plain).abs().max() > 1e-2
+    torch.testing.assert_close(run(sliding_window=case.meta.max_seq_len), plain, atol=1e-6, rtol=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch_layouts(), st.integers(1, 40), st.sampled_from([None, 0.8, 30.0]))
+def test_random_layouts_window_soft_cap(layout: dict, window: int, cap: float | None) -> None:
+    case = make_attention_case(**layout, sliding_window=window)
+    check_case(case, sliding_window=window, logits_soft_cap=cap)
+
+
+def _dense_attention(q, k, v, scale, window=None, cap=None, slopes=None):
+    """softmax(cap * tanh(q k^T * scale / cap) + slope_h (j - i), causal & window) v, in float64."""
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (t.transpose(0, 1).double() for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
+    n = q.shape[1]
+    i = torch.arange(n)[:, None]
+    j = torch.arange(n)[None, :]
+    scores = q @ k.transpose(1, 2) * scale  # [h, n, n]
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    if slopes is not None:
+        scores = scores + slopes.double()[:, None, None] * (j - i)
+    visible = (j <= i) if window is None else (j <= i) & (i - j < window)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).float()  # [n, h, d]
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("options", [dict(window=5), dict(cap=2.0), dict(window=6, cap=2.0, alibi=True)],
+                         ids=["window", "softcap", "all"])
+def test_window_soft_cap_match_dense_formula(backend: str, options: dict) -> None:
+    """A fresh prompt, then each of its tokens decoded one at a time against the cache the
+    prompt wrote, both equal the dense masked formula (i - j < W: W keys, itself included)."""
+    n, num_heads, num_kv_heads = 23, 6, 2
+    slopes = alibi_slopes(num_heads) if options.get("alibi") else None
+    window, cap = options.get("window"), options.get("cap")
+    kwargs = {k: v for k, v in dict(sliding_window=window, logits_soft_cap=cap, alibi_slopes=slopes).items()
+              if v is not None}
+    case = make_attention_case([(0, n)], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=32,
+                               block_size=4)
+    expected = _dense_attention(case.query, case.key, case.value, case.scale, window, cap, slopes)
+    impl = get_attention_backend(backend)
+    k_cache, v_cache = case.clone_caches()
+    got = impl.forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, case.scale, **kwargs)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+    # Decode query t again against the written cache (a one-token step at position t).
+    meta = case.meta
+    for t in (0, 4, 9, n - 1):
+        step = type(meta)(
+            num_decodes=1, num_decode_tokens=1, num_prefills=0, num_tokens=1, max_query_len=1,
+            max_seq_len=t + 1, query_start_loc=torch.tensor([0, 1]), seq_lens=torch.tensor([t + 1]),
+            block_tables=meta.block_tables, slot_mapping=meta.slot_mapping[t : t + 1],
+            query_start_loc_cpu=[0, 1], seq_lens_cpu=[t + 1],
+        )
+        out = impl.forward(case.query[t : t + 1], case.key[t : t + 1], case.value[t : t + 1], k_cache,
+                           v_cache, step, case.scale, **kwargs)
+        torch.testing.assert_close(out[0], expected[t], atol=1e-5, rtol=1e-5)
+
+
+def test_decode_gathers_only_the_window(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A windowed decode reads W slots, not its whole context; groups are kept per window."""
+    case = make_attention_case([(999, 1), (500, 1)], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                               sliding_window=24)
+    gathered = []
+    real = torch.Tensor.index_select
+
+    def spy(self: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+        gathered.append(index.numel())
+        return real(self, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", spy)
+    TorchPagedAttention().forward(case.query, case.key, case.value, *case.clone_caches(), case.meta,
+                                  case.scale, sliding_window=24)
+    assert gathered and max(gathered) == 2 * 24  # both rows, 24 keys each, K and V
+    assert ("decode_groups", 24) in case.meta.backend_cache
+
+
+def test_window_soft_cap_have_no_host_syncs(monkeypatch: pytest.MonkeyPatch) -> None:
+    case = make_attention_case(window_layout(16), num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                               num_decodes=6, sliding_window=20)
+    k_cache, v_cache = case.clone_caches()
+
+    def boom(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("host sync in the fast attention path")
+
+    for method in ("item", "tolist", "__bool__", "__int__", "__index__", "__float__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, method, boom)
+    TorchPagedAttention().forward(case.query, case.key, case.value, k_cache, v_cache, case.meta, case.scale,
+                                  sliding_window=20, logits_soft_cap=5.0)
+
+
+class _RecordingBackend:
+    name = "recording"
+
+    def __init__(self) -> None:
+        self.kwargs: dict = {}
+
+    def forward(self, query, key, value, k_cache, v_cache, meta, scale, **kwargs):
+        self.kwargs = kwargs
+        return query
+
+
+def test_attention_layer_passes_only_the_options_it_has() -> None:
+    from pagedlm.layers.attention import Attention
+
+    case = make_attention_case([(0, 3)], num_heads=2, num_kv_heads=2, head_dim=8, block_size=4)
+    for options in ({}, {"sliding_window": 4}, {"logits_soft_cap": 50.0},
+                    {"sliding_window": 4, "logits_soft_cap": 50.0, "alibi_slopes": alibi_slopes(2)}):
+        backend = _RecordingBackend()
+        layer = Attention(2, 8, 0.3, 2, backend, **options)
+        layer.k_cache, layer.v_cache = case.clone_caches()
+        layer(case.query, case.key, case.value, case.meta)
+        assert set(backend.kwargs) == set(options)
+    with pytest.raises(ValueError, match="sliding_window"):
+        Attention(2, 8, 0.3, 2, _RecordingBackend(), sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap"):
+        Attention(2, 8, 0.3, 2, _RecordingBackend(), logits_soft_cap=0.0)

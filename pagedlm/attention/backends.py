@@ -2,7 +2,8 @@
 
 Every backend has the same call:
 
-    backend.forward(query, key, value, k_cache, v_cache, meta, scale, alibi_slopes=None) -> output
+    backend.forward(query, key, value, k_cache, v_cache, meta, scale, *, alibi_slopes=None,
+                    sliding_window=None, logits_soft_cap=None) -> output
     # query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim],
     # caches [num_blocks, block_size, num_kv_heads, head_dim]; output like query.
 
@@ -13,6 +14,19 @@ attends causally over each request's context read from the paged cache.
 score of query position i against key position j (0 on the diagonal, negative
 behind it). Softmax is shift-invariant per row, so this equals HF BLOOM's
 `slope_h * j`; the relative form keeps the bias small on long contexts.
+
+The score of query position i against key position j is, in this order:
+
+    s = (q_i . k_j) * scale
+    s = cap * tanh(s / cap)              if logits_soft_cap   (Gemma 2; before the bias)
+    s = s + slope_h * (j - i)            if alibi_slopes
+    s = -inf unless j <= i and (sliding_window is None or i - j < sliding_window)
+
+so a window W shows each query W keys, itself included. That is HF transformers'
+convention (checked against transformers 5.23 masking_utils.sliding_window_overlay:
+`kv_idx > q_idx - sliding_window`, used by Mistral, Qwen2, Gemma 2/3). Key blocks
+that lie wholly before i - W + 1 are never read through the mask, which is what lets
+the KV cache manager free them.
 """
 
 from collections.abc import Callable
@@ -37,7 +51,10 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        *,
         alibi_slopes: torch.Tensor | None = None,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor: ...
 
 

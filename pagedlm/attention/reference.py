@@ -6,7 +6,8 @@ everything the plain way:
 * the cache write is one Python assignment per new token;
 * each request's context is read back from the paged cache one token at a time,
   following `block_tables[r][pos // block_size]` and `pos % block_size`;
-* each query token is handled on its own, with a hand-written float32 softmax.
+* each query token is handled on its own, over exactly the keys it may see, with a
+  hand-written float32 softmax (soft cap, then ALiBi bias; no mask needed).
 
 Never use it for real inference; every step costs O(tokens * context) Python work
 and it syncs with the device (`.tolist()`) freely.
@@ -29,7 +30,10 @@ class ReferenceAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
@@ -57,30 +61,37 @@ class ReferenceAttention:
             q_len = q_end - q_start
             ctx_len = meta.seq_lens_cpu[r]
 
-            # 2. Read the whole context of request r back from the paged cache.
+            # 2. Read the context of request r back from the paged cache: every token,
+            #    or with a window W only those some query of this step can see (earlier
+            #    blocks may have been freed and replaced by the null block).
+            first = 0 if sliding_window is None else max(0, ctx_len - q_len - sliding_window + 1)
             ctx_k, ctx_v = [], []
-            for pos in range(ctx_len):
+            for pos in range(first, ctx_len):
                 block = block_tables[r][pos // block_size]
                 offset = pos % block_size
                 ctx_k.append(k_cache[block, offset])
                 ctx_v.append(v_cache[block, offset])
-            keys = torch.stack(ctx_k).float()  # [ctx_len, num_kv_heads, head_dim]
-            values = torch.stack(ctx_v).float()  # [ctx_len, num_kv_heads, head_dim]
+            keys = torch.stack(ctx_k).float()  # [ctx_len - first, num_kv_heads, head_dim]
+            values = torch.stack(ctx_v).float()  # [ctx_len - first, num_kv_heads, head_dim]
 
-            # 3. Each new token sits at absolute position ctx_len - q_len + i and
-            #    sees every context token up to and including itself.
+            # 3. Each new token sits at absolute position ctx_len - q_len + i and sees the
+            #    context tokens j <= pos, or with a window W only those with pos - j < W:
+            #    the last W tokens, itself included (HF's convention).
             for i in range(q_len):
                 pos = ctx_len - q_len + i
+                lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
                 q = query[q_start + i].float()  # [num_heads, head_dim]
-                k = keys[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
-                v = values[: pos + 1, kv_head_of]  # [pos + 1, num_heads, head_dim]
-                scores = torch.einsum("hd,khd->hk", q, k) * scale  # [num_heads, pos + 1]
+                k = keys[lo - first : pos + 1 - first, kv_head_of]  # [n, num_heads, head_dim]
+                v = values[lo - first : pos + 1 - first, kv_head_of]  # [n, num_heads, head_dim]
+                scores = torch.einsum("hd,khd->hk", q, k) * scale  # [num_heads, n = pos + 1 - lo]
+                if logits_soft_cap is not None:
+                    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
                 if alibi_slopes is not None:
                     # ALiBi: key j gets slope_h * (j - pos), i.e. 0 on the diagonal.
-                    distance = torch.arange(pos + 1, device=query.device) - pos  # [pos + 1]
+                    distance = torch.arange(lo, pos + 1, device=query.device) - pos  # [n]
                     scores = scores + alibi_slopes.float()[:, None] * distance[None, :]
                 scores = scores - scores.max(dim=-1, keepdim=True).values
-                weights = scores.exp()  # [num_heads, pos + 1]
+                weights = scores.exp()  # [num_heads, n]
                 weights = weights / weights.sum(dim=-1, keepdim=True)
                 out[q_start + i] = torch.einsum("hk,khd->hd", weights, v).to(query.dtype)
         return out

@@ -6,6 +6,10 @@ schedules `num_new` tokens now. Blocks are handed out from a shuffled pool so
 block tables are not contiguous, and every cache slot that does not hold a
 prefix token is filled with `fill` (NaN by default), so a backend that reads a
 slot it should not read, or forgets a mask, shows up as NaN or a mismatch.
+
+With `sliding_window=W` the case looks like the KV cache manager left it: the
+leading blocks no query can see (last position <= num_computed - W) are replaced
+in the block table by a null block that holds only `fill`.
 """
 
 from collections.abc import Sequence
@@ -45,6 +49,7 @@ def make_attention_case(
     extra_blocks: int = 3,
     extra_table_cols: int = 1,
     fill: float = float("nan"),
+    sliding_window: int | None = None,
 ) -> AttentionCase:
     """Random inputs for one step with requests `seqs = [(num_computed, num_new), ...]`.
 
@@ -68,15 +73,22 @@ def make_attention_case(
 
     seq_lens = [c + n for c, n in seqs]
     blocks_per_seq = [-(-s // block_size) for s in seq_lens]  # ceil division
-    num_blocks = sum(blocks_per_seq) + extra_blocks
+    num_blocks = sum(blocks_per_seq) + extra_blocks + (sliding_window is not None)
     pool = torch.randperm(num_blocks, generator=gen).tolist()
+    null_block = pool.pop() if sliding_window is not None else None
     max_blocks = max(blocks_per_seq) + extra_table_cols
     block_tables = torch.zeros(len(seqs), max_blocks, dtype=torch.int64)
     tables: list[list[int]] = []
+    num_freed = []  # leading blocks of each request replaced by the null block
     for r, nb in enumerate(blocks_per_seq):
         ids, pool = pool[:nb], pool[nb:]
         tables.append(ids)
         block_tables[r, :nb] = torch.tensor(ids, dtype=torch.int64)
+        freed = 0
+        if sliding_window is not None:
+            freed = max(0, (seqs[r][0] - sliding_window + 1) // block_size)
+            block_tables[r, :freed] = null_block
+        num_freed.append(freed)
 
     def slot(r: int, pos: int) -> int:
         return tables[r][pos // block_size] * block_size + pos % block_size
@@ -90,7 +102,7 @@ def make_attention_case(
     slot_mapping: list[int] = []  # written by this step
     query_start_loc = [0]
     for r, (computed, new) in enumerate(seqs):
-        prefix_slots.extend(slot(r, pos) for pos in range(computed))
+        prefix_slots.extend(slot(r, pos) for pos in range(num_freed[r] * block_size, computed))
         slot_mapping.extend(slot(r, pos) for pos in range(computed, computed + new))
         query_start_loc.append(query_start_loc[-1] + new)
     prefix = torch.tensor(prefix_slots, dtype=torch.int64)

@@ -20,10 +20,19 @@ Reading a request's context means gathering its slots in order:
     slots            28 ...31 | 8 ... 11| 36 37 (38 39 are past the end)
 
 Positions past the end of a sequence (the tail of its last block, and the
-padding columns of `block_tables`) are redirected to position 0's slot instead
-of being read from their block. Their scores are masked anyway, but a masked
-weight of exactly 0 still gives NaN if it multiplies a NaN, and unused cache
-memory may hold anything (e.g. if the cache was allocated with torch.empty).
+padding columns of `block_tables`) are redirected to the slot of the sequence's
+last token (written this step) instead of being read from their block. Their
+scores are masked anyway, but a masked weight of exactly 0 still gives NaN if it
+multiplies a NaN, and unused cache memory may hold anything (e.g. if the cache
+was allocated with torch.empty).
+
+Sliding window W: query position i sees keys i - W < j <= i. Only those are
+gathered: a decode reads its last min(seq_len, W) slots, a prefill chunk starts
+W - 1 positions before its first query. Blocks wholly before that may have been
+freed by the KV cache manager (their block-table entry is then the null block),
+and are never read. Logit soft-capping (`cap * tanh(s / cap)`, applied before the
+ALiBi bias and the mask) has no SDPA equivalent, so it takes a matmul + float32
+softmax path.
 
 Nothing in the decode path reads tensors back to the host; the prefill loop uses
 only the `*_cpu` lists of the metadata, so the whole forward is sync-free on CUDA.
@@ -69,6 +78,25 @@ def _context_slots(
     return blocks * block_size + positions % block_size  # [n, L]
 
 
+def _softcap_attention(
+    q: torch.Tensor,  # [..., M, head_dim]
+    k: torch.Tensor,  # [..., L, head_dim] (broadcastable against q's leading dims)
+    v: torch.Tensor,  # [..., L, head_dim]
+    mask: torch.Tensor,  # bool (True = visible) or additive float, broadcastable to [..., M, L]
+    scale: float,
+    cap: float,
+) -> torch.Tensor:  # [..., M, head_dim]
+    """Attention with soft-capped scores, softmax in float32 (SDPA has no soft cap)."""
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [..., M, L]
+    scores = cap * torch.tanh(scores / cap)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask.float()
+    weights = torch.softmax(scores, dim=-1)  # [..., M, L]
+    return torch.matmul(weights, v.float()).to(q.dtype)
+
+
 def decode_groups(seq_lens: list[int], min_fill: float = 0.8) -> list[tuple[int, int, int]]:
     """Split the decode rows into contiguous groups, each padded to its longest context.
 
@@ -102,7 +130,10 @@ class TorchPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
+        *,
         alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
         num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
@@ -114,17 +145,23 @@ class TorchPagedAttention:
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
+        opts = (alibi_slopes, sliding_window, logits_soft_cap)
         if meta.num_decodes > 0:
-            groups = meta.backend_cache.get("decode_groups")
+            # Layers with different windows (Gemma's local/global mix) share one step.
+            cache_key = "decode_groups" if sliding_window is None else ("decode_groups", sliding_window)
+            groups = meta.backend_cache.get(cache_key)
             if groups is None:
-                groups = decode_groups(meta.seq_lens_cpu[: meta.num_decodes])
-                meta.backend_cache["decode_groups"] = groups
+                lens = meta.seq_lens_cpu[: meta.num_decodes]
+                if sliding_window is not None:
+                    lens = [min(n, sliding_window) for n in lens]
+                groups = decode_groups(lens)
+                meta.backend_cache[cache_key] = groups
             for start, end, max_len in groups:
                 out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len,
-                                              alibi_slopes)
+                                              *opts)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, alibi_slopes)
+            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, *opts)
         return out
 
     def _decode(
@@ -138,8 +175,13 @@ class TorchPagedAttention:
         end: int,
         max_len: int,
         alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
     ) -> torch.Tensor:  # [end - start, num_heads, head_dim]
         """Decodes start..end at once, padded to max_len: one gather, one SDPA call.
+
+        `max_len` counts the keys each decode reads: its whole context, or with a window
+        its last min(seq_len, W) tokens, so a long windowed context costs W, not seq_len.
 
         GQA without repeating K/V: a decode has a single query token, so the
         `group` query heads that share a kv head can be laid out as `group`
@@ -159,17 +201,22 @@ class TorchPagedAttention:
         device = query.device
 
         seq_lens = meta.seq_lens[start:end]  # [B]
-        positions = torch.arange(max_len, device=device)  # [L]
-        valid = positions[None, :] < seq_lens[:, None]  # [B, L]
+        # Column t holds key position first + t: the whole context from 0, or the last
+        # W tokens (first = seq_len - W) under a window.
+        #   seq_len 10, W 4:   first 6   positions 6 7 8 9
+        positions = torch.arange(max_len, device=device)[None, :]  # [1, L]
+        if sliding_window is not None:
+            positions = positions + (seq_lens[:, None] - sliding_window).clamp(min=0)  # [B, L]
+        valid = positions < seq_lens[:, None]  # [B, L]
         mask = valid[:, None, None, :]  # [B, 1, 1, L]
         if alibi_slopes is not None:
             # The query sits at position seq_len - 1; key j gets slope_h * (j - (seq_len - 1)).
-            distance = positions[None, :] - (seq_lens[:, None] - 1)  # [B, L]
+            distance = positions - (seq_lens[:, None] - 1)  # [B, L]
             slopes = alibi_slopes.float().view(num_kv_heads, group)  # [kvh, g], head = kvh * group + g
             bias = slopes[None, :, :, None] * distance[:, None, None, :]  # [B, kvh, g, L]
             mask = bias.masked_fill(~mask, float("-inf")).to(query.dtype)
-        # Past-the-end positions re-read position 0, which is always written (finite).
-        positions = torch.where(valid, positions[None, :], 0)  # [B, L]
+        # Past-the-end positions re-read the last token, which is always written (finite).
+        positions = torch.where(valid, positions, seq_lens[:, None] - 1)  # [B, L]
         slots = _context_slots(meta.block_tables[start:end], positions, block_size)  # [B, L]
 
         # One index_select over the flat slot table gathers every decode's context
@@ -184,10 +231,13 @@ class TorchPagedAttention:
 
         # reshape, not view: query may be a strided slice of a fused qkv projection.
         q = query[start:end].reshape(num_decodes, num_kv_heads, group, head_dim)  # [B,kvh,g,d]
-        # SDPA accumulates the softmax in float32 for bf16/fp16 inputs.
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale
-        )  # [B, num_kv_heads, group, head_dim]
+        if logits_soft_cap is not None:
+            o = _softcap_attention(q, k, v, mask, scale, logits_soft_cap)  # [B, kvh, g, d]
+        else:
+            # SDPA accumulates the softmax in float32 for bf16/fp16 inputs.
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scale
+            )  # [B, num_kv_heads, group, head_dim]
         return o.reshape(num_decodes, num_heads, head_dim)
 
     def _prefill(
@@ -201,6 +251,8 @@ class TorchPagedAttention:
         meta: AttentionMetadata,
         scale: float,
         alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
         """One prefill (or prefill chunk) request: causal attention over its context."""
         start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
@@ -208,46 +260,63 @@ class TorchPagedAttention:
         ctx_len = meta.seq_lens_cpu[r]
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         device = query.device
+        q_first = ctx_len - q_len  # position of the first query
+        # First key any query of this chunk can see.
+        k_first = 0 if sliding_window is None else max(0, q_first - sliding_window + 1)
 
         q = query[start:end].transpose(0, 1)  # [num_heads, q_len, head_dim]
-        if q_len == ctx_len:
-            # No prefix: the context is exactly this step's tokens, so skip the cache
-            # read. Round-trip through the cache dtype so the result matches what a
-            # cache read would give when the cache is stored in another dtype.
+        if k_first >= q_first:
+            # No visible prefix: the keys are exactly this step's tokens, so skip the cache
+            # read. Round-trip through the cache dtype so the result matches what a cache
+            # read would give when the cache is stored in another dtype.
+            k_first = q_first
             k = key[start:end].to(k_cache.dtype).to(query.dtype)  # [q_len, kv_heads, head_dim]
             v = value[start:end].to(v_cache.dtype).to(query.dtype)  # [q_len, kv_heads, head_dim]
-            mask = None
         else:
-            positions = torch.arange(ctx_len, device=device)  # [ctx_len]
-            slots = _context_slots(meta.block_tables[r : r + 1], positions[None, :], block_size)[0]
-            # slots: [ctx_len]
+            k_pos = torch.arange(k_first, ctx_len, device=device)  # [num_keys]
+            slots = _context_slots(meta.block_tables[r : r + 1], k_pos[None, :], block_size)[0]
+            # slots: [num_keys]
             k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).to(query.dtype)
             v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, slots).to(query.dtype)
-            # k, v: [ctx_len, num_kv_heads, head_dim]
-            # Query i is at absolute position ctx_len - q_len + i and sees keys <= it:
-            #
-            #            keys ->  0 1 2 3 4 5      (ctx_len 6, q_len 3, prefix 3)
-            #   query 0 (pos 3)   x x x x . .
-            #   query 1 (pos 4)   x x x x x .
-            #   query 2 (pos 5)   x x x x x x
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)  # [q_len]
-            mask = positions[None, :] <= q_pos[:, None]  # [q_len, ctx_len]
+            # k, v: [num_keys, num_kv_heads, head_dim]
 
-        if alibi_slopes is not None:
-            k_pos = torch.arange(ctx_len, device=device)  # [ctx_len]
-            q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)  # [q_len]
-            distance = k_pos[None, :] - q_pos[:, None]  # [q_len, ctx_len]
-            bias = alibi_slopes.float()[:, None, None] * distance[None]  # [num_heads, q_len, ctx_len]
-            mask = bias.masked_fill(distance[None] > 0, float("-inf")).to(query.dtype)
+        # Query i is at absolute position q_first + i and sees keys j <= it (and, with a
+        # window W, j > i - W):
+        #
+        #            keys ->  0 1 2 3 4 5      (ctx_len 6, q_len 3, prefix 3; W = 3)
+        #   query 0 (pos 3)   . x x x . .
+        #   query 1 (pos 4)   . . x x x .
+        #   query 2 (pos 5)   . . . x x x
+        mask = None  # None: plain causal over exactly this step's tokens
+        if k_first != q_first or sliding_window is not None or alibi_slopes is not None \
+                or logits_soft_cap is not None:
+            k_pos = torch.arange(k_first, ctx_len, device=device)  # [num_keys]
+            q_pos = torch.arange(q_first, ctx_len, device=device)  # [q_len]
+            distance = k_pos[None, :] - q_pos[:, None]  # [q_len, num_keys], j - i
+            mask = distance <= 0
+            if sliding_window is not None:
+                mask &= distance > -sliding_window
+            if alibi_slopes is not None:
+                bias = alibi_slopes.float()[:, None, None] * distance[None]  # [num_heads, q_len, num_keys]
+                mask = bias.masked_fill(~mask[None], float("-inf")).to(query.dtype)
 
-        k = k.transpose(0, 1)  # [num_kv_heads, ctx_len, head_dim]
-        v = v.transpose(0, 1)  # [num_kv_heads, ctx_len, head_dim]
+        k = k.transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
+        v = v.transpose(0, 1)  # [num_kv_heads, num_keys, head_dim]
+        if logits_soft_cap is not None:
+            group = q.shape[0] // num_kv_heads
+            if mask.dim() == 3:
+                mask = mask.view(num_kv_heads, group, q_len, -1)  # [kvh, g, q_len, num_keys]
+            o = _softcap_attention(
+                q.reshape(num_kv_heads, group, q_len, head_dim), k[:, None], v[:, None], mask, scale,
+                logits_soft_cap,
+            )  # [kvh, g, q_len, head_dim]
+            return o.reshape(-1, q_len, head_dim).transpose(0, 1)
         if _SDPA_HAS_GQA:
             extra = {"enable_gqa": True}
         else:
             group = q.shape[0] // num_kv_heads
-            k = k.repeat_interleave(group, dim=0)  # [num_heads, ctx_len, head_dim]
-            v = v.repeat_interleave(group, dim=0)  # [num_heads, ctx_len, head_dim]
+            k = k.repeat_interleave(group, dim=0)  # [num_heads, num_keys, head_dim]
+            v = v.repeat_interleave(group, dim=0)  # [num_heads, num_keys, head_dim]
             extra = {}
         o = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra

@@ -9,6 +9,11 @@ The free queue is a doubly linked list threaded through the blocks themselves, s
 block can be taken from the front, put at the back, or removed from the middle in O(1).
 Removal from the middle is what prefix caching needs: a freed block keeps its content
 and can be claimed again by a later request until it reaches the front and is reused.
+
+With `reserve_null_block` (sliding-window models), block 0 is the null block: it stands
+in a block table for a block freed because no future query can see it, and attention
+never reads it (the window masks it). It is never handed out, hashed or freed, and its
+ref_cnt stays pinned at 1 (held by the pool, not by the tables that name it).
 """
 
 from __future__ import annotations
@@ -86,16 +91,26 @@ class BlockPool:
     for new content (eviction, least recently freed first).
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be at least 1, got {num_blocks}")
-        self.num_blocks = num_blocks
+    def __init__(self, num_blocks: int, enable_caching: bool = False,
+                 reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(f"num_blocks must be at least {1 + reserve_null_block}, got {num_blocks}")
+        self.num_blocks = num_blocks  # including the null block
         self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept as refs change
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.free_queue.popleft()
+            self.null_block.ref_cnt = 1
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """Blocks requests can hold: all but the null block."""
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,11 +118,11 @@ class BlockPool:
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - self.free_queue.num_free_blocks
+        return self.num_usable_blocks - self.free_queue.num_free_blocks
 
     def usage(self) -> float:
-        """Fraction of blocks referenced by at least one request (0-1)."""
-        return self.num_used_blocks / self.num_blocks
+        """Fraction of usable blocks referenced by at least one request (0-1)."""
+        return self.num_used_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Take `num_blocks` blocks from the front of the free queue, each with ref_cnt 1."""
@@ -135,7 +150,7 @@ class BlockPool:
     def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
         """Register a computed full block. A block whose content is already cached under
         another block (two requests computed the same prefix at once) stays unregistered."""
-        assert block.ref_cnt > 0
+        assert block.ref_cnt > 0 and block is not self.null_block
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return
         block.block_hash = block_hash
@@ -149,6 +164,7 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to blocks another request already holds (or that sit free)."""
         for block in blocks:
+            assert block is not self.null_block
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
             elif block.ref_cnt == 1:
@@ -163,6 +179,7 @@ class BlockPool:
         """
         for block in blocks:
             assert block.ref_cnt > 0, f"double free of {block}"
+            assert block is not self.null_block
             block.ref_cnt -= 1
             if block.ref_cnt == 1:
                 self.num_shared_blocks -= 1
@@ -181,3 +198,6 @@ class BlockPool:
             assert block.block_hash == block_hash, (block, block_hash)
         hashed = {b.block_id for b in self.blocks if b.block_hash is not None}
         assert hashed == {b.block_id for b in self.cached_blocks.values()}
+        if self.null_block is not None:
+            null = self.null_block
+            assert null.ref_cnt == 1 and null.block_hash is None and null.prev_free is None, null

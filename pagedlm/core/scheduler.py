@@ -84,7 +84,9 @@ class Scheduler:
                 f"{request.max_tokens} max_tokens = {request.max_num_tokens} tokens, more than "
                 f"max_model_len ({self.config.max_model_len})"
             )
-        if not self.kv.can_ever_fit(request.max_num_tokens):
+        # A step computes at most max_num_batched_tokens of it (which bounds what a
+        # sliding-window request holds at once).
+        if not self.kv.can_ever_fit(request.max_num_tokens, self.config.max_num_batched_tokens):
             raise ValueError(
                 f"request {request.request_id!r} needs up to {request.max_num_tokens} tokens but "
                 f"the whole KV cache holds {self.kv.capacity_tokens} "

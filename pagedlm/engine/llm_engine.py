@@ -58,14 +58,14 @@ def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
 
 
 def _model_max_len(hf_config) -> int:
-    max_len = getattr(hf_config, "max_position_embeddings", None) or 2048
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True) and window < max_len:
-        # Sliding-window attention is not implemented yet: within the window it is
-        # ordinary causal attention, so cap the context there rather than be wrong.
-        logger.warning("capping the context at the model's sliding window (%d tokens)", window)
-        max_len = window
-    return max_len
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
+
+
+def _uniform_sliding_window(attn_layers) -> int | None:
+    """The window shared by every attention layer, or None (full attention anywhere, or
+    windows that differ: the cache then keeps every block and layers only mask)."""
+    windows = {a.sliding_window for a in attn_layers}
+    return windows.pop() if len(windows) == 1 else None
 
 
 def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
@@ -132,6 +132,9 @@ class LLMEngine:
         num_kv_heads = attn_layers[0].num_kv_heads
         head_dim = attn_layers[0].head_dim
         assert all((a.num_kv_heads, a.head_dim) == (num_kv_heads, head_dim) for a in attn_layers)
+        # Likewise the window: with one window W on every layer, blocks W tokens behind a
+        # request are freed as it advances (Mistral; Gemma's local/global mix only masks).
+        sliding_window = _uniform_sliding_window(attn_layers)
         block_size = args.block_size
         block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, self.dtype)
         self.runner = ModelRunner(self.model, self.device, block_size, self.vocab_size)
@@ -148,7 +151,11 @@ class LLMEngine:
                 f"the KV cache budget holds no block: one block of {block_size} tokens needs "
                 f"{block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
             )
-        capacity = num_blocks * block_size
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching,
+                                               sliding_window)
+        capacity = self.kv_cache_manager.capacity_tokens
+        if self.kv_cache_manager.can_ever_fit(model_max_len, max_batched):
+            capacity = max(capacity, model_max_len)  # a window bounds the blocks held
         if args.max_model_len is not None:
             if args.max_model_len > capacity:
                 raise ValueError(
@@ -168,7 +175,6 @@ class LLMEngine:
                             and getattr(backend, "supports_cuda_graphs", False))
         if self.cuda_graphs:
             self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len, capture=True)
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,

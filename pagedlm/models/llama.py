@@ -3,6 +3,8 @@
 All tokens of a step arrive flattened: `input_ids` and `positions` are [num_tokens];
 there is no batch dimension and no padding. HF parameter names are kept, except that
 q/k/v and gate/up are fused into one matmul each (see `load_weights`).
+Sliding-window attention is applied per layer exactly where HF applies it
+(`layer_sliding_windows`); the engine frees the KV blocks a uniform window leaves behind.
 """
 
 from __future__ import annotations
@@ -26,6 +28,30 @@ from pagedlm.layers.norm import RMSNorm
 from pagedlm.layers.rotary import RotaryEmbedding
 
 
+def layer_sliding_windows(config) -> list[int | None]:
+    """The attention window of each layer, None for full attention, as HF transformers has it.
+
+    * Mistral, Mixtral, Phi-3: `sliding_window` (None: off) on every layer. Their HF
+      models ignore `layer_types`; a config without the field (Llama) has no window.
+    * Qwen2, Qwen3 (configs with `use_sliding_window`): only if `use_sliding_window`, on the
+      layers `layer_types` marks "sliding_attention"; configs without `layer_types` get
+      HF's default for it: layers i >= `max_window_layers`.
+    """
+    n = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return [None] * n
+    if not hasattr(config, "use_sliding_window"):
+        return [window] * n
+    if not config.use_sliding_window:
+        return [None] * n
+    layer_types = getattr(config, "layer_types", None)
+    if not layer_types:
+        first = getattr(config, "max_window_layers", 28)  # HF's default
+        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    return [window if t == "sliding_attention" else None for t in layer_types]
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
@@ -38,7 +64,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
@@ -51,7 +78,8 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, bias=o_bias)
         self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend,
+                              sliding_window=sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -66,9 +94,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, rotary, backend, qkv_bias, o_bias, sliding_window)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, getattr(config, "mlp_bias", False))
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -90,8 +119,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, backend, qkv_bias, o_bias)
-            for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, rotary, backend, qkv_bias, o_bias, window)
+            for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -10,7 +10,7 @@ expert parallelism can take them whole:
 
 With tensor parallelism every rank holds a slice of every expert's intermediate dim and the
 partial outputs are summed, exactly as a row-parallel linear does.
-Sliding window: the engine caps the context at `sliding_window`, which matches HF.
+Sliding window: `sliding_window` (None: off) on every layer, as in HF.
 """
 
 from __future__ import annotations
@@ -27,7 +27,13 @@ from pagedlm.layers.linear import ReplicatedLinear
 from pagedlm.layers.norm import RMSNorm
 from pagedlm.layers.parallel_state import all_reduce, get_tp_group
 from pagedlm.layers.rotary import RotaryEmbedding
-from pagedlm.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from pagedlm.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaModel,
+    layer_sliding_windows,
+)
 
 # HF per-expert checkpoint names (the format on disk): ...block_sparse_moe.experts.N.w1.weight
 _EXPERT_NAME = re.compile(r"^(.*)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -118,9 +124,10 @@ class MixtralSparseMoeBlock(nn.Module):
 
 
 class MixtralDecoderLayer(LlamaDecoderLayer):
-    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
         nn.Module.__init__(self)
-        self.self_attn = LlamaAttention(config, rotary, backend, qkv_bias, o_bias)
+        self.self_attn = LlamaAttention(config, rotary, backend, qkv_bias, o_bias, sliding_window)
         self.block_sparse_moe = MixtralSparseMoeBlock(
             config.hidden_size, config.intermediate_size, config.num_local_experts, config.num_experts_per_tok
         )
@@ -143,8 +150,8 @@ class MixtralModel(LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            MixtralDecoderLayer(config, rotary, backend, qkv_bias, o_bias)
-            for _ in range(config.num_hidden_layers)
+            MixtralDecoderLayer(config, rotary, backend, qkv_bias, o_bias, window)
+            for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -4,8 +4,8 @@ Differences from Llama that matter here:
   * `q_norm` / `k_norm` normalise each head over head_dim (weights of shape [head_dim]);
   * `head_dim` is explicit in the config and may differ from hidden_size / num_heads;
   * `attention_bias` switches the bias of q/k/v *and* o projections (default False).
-Sliding-window layers (`use_sliding_window`) are handled by the engine capping the context
-at the window, so every layer attends to the full (capped) context exactly as HF does.
+Sliding-window layers (`use_sliding_window`, `layer_types` / `max_window_layers`) get their
+window exactly as in HF (`layer_sliding_windows`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pagedlm.models.llama import (
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
+    layer_sliding_windows,
 )
 
 
@@ -31,8 +32,9 @@ def _head_dim(config) -> int:
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool) -> None:
-        super().__init__(config, rotary, backend, qkv_bias, o_bias)
+    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
+        super().__init__(config, rotary, backend, qkv_bias, o_bias, sliding_window)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
@@ -51,9 +53,10 @@ class Qwen3Attention(LlamaAttention):
 class Qwen3DecoderLayer(LlamaDecoderLayer):
     # Builds its own submodules (rather than super().__init__) so no Llama attention is
     # allocated only to be replaced; forward is Llama's.
-    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, backend, qkv_bias: bool, o_bias: bool,
+                 sliding_window: int | None = None) -> None:
         nn.Module.__init__(self)
-        self.self_attn = Qwen3Attention(config, rotary, backend, qkv_bias, o_bias)
+        self.self_attn = Qwen3Attention(config, rotary, backend, qkv_bias, o_bias, sliding_window)
         self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, False)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -64,8 +67,8 @@ class Qwen3Model(LlamaModel):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            Qwen3DecoderLayer(config, rotary, backend, qkv_bias, o_bias)
-            for _ in range(config.num_hidden_layers)
+            Qwen3DecoderLayer(config, rotary, backend, qkv_bias, o_bias, window)
+            for window in layer_sliding_windows(config)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
