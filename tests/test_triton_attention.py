@@ -6,6 +6,7 @@ the decode split its contexts. With CUDA the same tests compile and run the real
 kernels, and `test_gpu_larger_shapes` adds bigger ones.
 """
 
+import inspect
 import os
 import subprocess
 import sys
@@ -29,7 +30,10 @@ if not _ON_GPU:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from pagedlm.attention import triton_decode as td  # noqa: E402
 from pagedlm.attention import triton_kernels as tk  # noqa: E402
+from pagedlm.attention import triton_prefill as tp  # noqa: E402
+from pagedlm.attention.alibi import alibi_slopes  # noqa: E402
 from pagedlm.attention.backends import get_attention_backend  # noqa: E402
 from pagedlm.attention.reference import ReferenceAttention  # noqa: E402
 from pagedlm.attention.testing import AttentionCase, make_attention_case  # noqa: E402
@@ -269,6 +273,148 @@ def test_strided_inputs_from_fused_qkv() -> None:
     check(case)
 
 
+# --------------------------------------------------- ALiBi, sliding window, soft-capping
+
+# True once the reference backend takes the options (another change adds them); until
+# then the kernels are checked against `dense_attention` alone.
+_REFERENCE_HAS_OPTIONS = "sliding_window" in inspect.signature(ReferenceAttention.forward).parameters
+
+
+def dense_attention(case: AttentionCase, alibi_slopes: torch.Tensor | None = None,
+                    sliding_window: int | None = None,
+                    logits_soft_cap: float | None = None) -> torch.Tensor:
+    """The attention the options define, in float64 on each request's whole context at
+    once: scores (q.k) * scale, then cap * tanh(s / cap), then + slope_h * (j - i); key j
+    seen by query i iff j <= i and i - j < window. Context K/V come from the cache as it
+    is after this step's write (`expected_caches`), gathered by position."""
+    meta = case.meta
+    k_cache, v_cache = (c.cpu() for c in expected_caches(case))
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = case.query.shape[1] // num_kv_heads
+    tables = meta.block_tables.cpu()
+    out = torch.zeros(case.query.shape, dtype=torch.float64)
+    for r in range(meta.num_seqs):
+        start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
+        ctx = meta.seq_lens_cpu[r]
+        j = torch.arange(ctx)  # key positions
+        slots = tables[r, j // block_size] * block_size + j % block_size
+        k = k_cache.view(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        v = v_cache.view(-1, num_kv_heads, head_dim)[slots].double().repeat_interleave(group, 1)
+        q = case.query[start:end].cpu().double()  # [q_len, num_heads, head_dim]
+        s = torch.einsum("qhd,khd->hqk", q, k) * case.scale  # [num_heads, q_len, ctx]
+        if logits_soft_cap is not None:
+            s = logits_soft_cap * torch.tanh(s / logits_soft_cap)
+        i = torch.arange(ctx - (end - start), ctx)[:, None]  # query positions
+        if alibi_slopes is not None:
+            s = s + alibi_slopes.cpu().double()[:, None, None] * (j[None, :] - i)
+        seen = j[None, :] <= i
+        if sliding_window is not None:
+            seen &= i - j[None, :] < sliding_window
+        s = s.masked_fill(~seen, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+    return out.to(case.query.dtype).to(case.query.device)
+
+
+def free_blocks_outside_window(case: AttentionCase, window: int) -> int:
+    """Point every block-table entry of a block that lies wholly before the window of a
+    request's first query token at an unused block full of NaN, as an engine that frees
+    those blocks may leave them. Returns how many entries were replaced."""
+    meta = case.meta
+    block_size = case.k_cache.shape[1]
+    in_use = set(meta.block_tables.flatten().tolist())
+    freed = next(b for b in range(case.k_cache.shape[0]) if b not in in_use)
+    assert torch.isnan(case.k_cache[freed]).all() and torch.isnan(case.v_cache[freed]).all()
+    count = 0
+    for r in range(meta.num_seqs):
+        q_len = meta.query_start_loc_cpu[r + 1] - meta.query_start_loc_cpu[r]
+        first_key = meta.seq_lens_cpu[r] - q_len - window + 1  # of the first query token
+        num_freed = max(first_key, 0) // block_size
+        meta.block_tables[r, :num_freed] = freed
+        count += num_freed
+    return count
+
+
+def check_options(case: AttentionCase, backend: TritonPagedAttention | None = None,
+                  **options) -> None:
+    """Triton with options vs `dense_attention` (and the reference, once it has them).
+    With a window, blocks before it are freed (NaN) first: reading one would show."""
+    expected = dense_attention(case, **options)
+    if _REFERENCE_HAS_OPTIONS:
+        k_ref, v_ref = case.clone_caches()
+        ref = ReferenceAttention().forward(case.query, case.key, case.value, k_ref, v_ref,
+                                           case.meta, case.scale, **options)
+        torch.testing.assert_close(ref, expected, **TOL[case.query.dtype])
+    if options.get("sliding_window") is not None:
+        assert free_blocks_outside_window(case, options["sliding_window"]) > 0
+    k_tri, v_tri = case.clone_caches()
+    out = (backend or TritonPagedAttention()).forward(
+        case.query, case.key, case.value, k_tri, v_tri, case.meta, case.scale, **options
+    )
+    assert torch.isfinite(out).all()
+    diff = (out.float() - expected.float()).abs().max().item()
+    print(f"{options} {case.query.dtype} max abs diff {diff:.3e}")
+    torch.testing.assert_close(out, expected, **TOL[case.query.dtype])
+
+
+def slopes_for(num_heads: int) -> torch.Tensor:
+    return alibi_slopes(num_heads).to(DEVICE)
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha-4", "gqa3-6heads"])
+def test_alibi_mixed_batch(heads: tuple[int, int]) -> None:
+    """ALiBi on decodes and prefill chunks; 6 heads (GQA 3) have the non-power-of-two
+    slopes, each query row of a kv head's tile taking its own head's slope."""
+    case = make_case(mixed_layout(16), heads, head_dim=32, seed=heads[0])
+    check_options(case, alibi_slopes=slopes_for(heads[0]))
+
+
+@pytest.mark.parametrize("window", [5, 24])
+def test_sliding_window_mixed_batch(window: int) -> None:
+    """Windows smaller than most contexts: 5 is below a block and a key tile (the
+    first tile after the diagonal-free part starts before the window), 24 spans blocks;
+    blocks wholly before a request's window are freed."""
+    case = make_case(mixed_layout(16), (8, 2), head_dim=32, seed=window)
+    check_options(case, sliding_window=window)
+
+
+def test_sliding_window_split_k_and_long_chunks() -> None:
+    """Long decodes with a window split the window's span, not the whole context
+    (span 300 + 63 -> 2 splits of 192, where the full 700 would take 4); long prefill
+    chunks cross the window's start mid-tile."""
+    case = make_case([(699, 1), (400, 1), (90, 1), (250, 70), (0, 90)], (4, 1), head_dim=32)
+    check_options(case, sliding_window=300)
+    assert num_splits_used(case) == 2
+
+
+def test_soft_cap() -> None:
+    """A cap of 1.5 on scores of ~N(0, 1) changes many of them substantially."""
+    case = make_case(mixed_layout(16)[2:9], (8, 2), head_dim=32)
+    check_options(case, logits_soft_cap=1.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_all_options_together(dtype: torch.dtype) -> None:
+    """Soft cap, then ALiBi (GQA 2), then the window; split-K decodes and chunks."""
+    backend = TritonPagedAttention(min_tokens_per_split=32)
+    case = make_case([(150, 1), (20, 1), (3, 40), (60, 9)], (4, 2), head_dim=32, dtype=dtype,
+                     block_size=8)
+    check_options(case, backend, alibi_slopes=slopes_for(4), sliding_window=45,
+                  logits_soft_cap=2.0)
+    assert num_splits_used(case) == 4
+
+
+def test_option_errors() -> None:
+    backend = TritonPagedAttention()
+    case = make_case([(3, 1)], (4, 2), head_dim=16)
+    args = (case.query, case.key, case.value, *case.clone_caches(), case.meta, case.scale)
+    with pytest.raises(ValueError, match="alibi_slopes"):
+        backend.forward(*args, alibi_slopes=slopes_for(2))
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        backend.forward(*args, sliding_window=0)
+    with pytest.raises(ValueError, match="logits_soft_cap=0"):
+        backend.forward(*args, logits_soft_cap=0.0)
+
+
 # ------------------------------------------------------------------------ host side
 
 
@@ -286,9 +432,9 @@ def test_launches_have_no_host_syncs_and_reuse_the_step_plan(monkeypatch) -> Non
     """Launch grids come from host lists only; the second layer reuses the first's plan."""
     case = make_case([(700, 1), (5, 1), (30, 9), (0, 4)], (8, 2))
     log: list = []
-    for name in ("_write_kv_kernel", "_decode_split_kernel", "_decode_reduce_kernel",
-                 "_prefill_kernel"):
-        monkeypatch.setattr(tk, name, _Recorder(name, log))
+    for module, name in ((tk, "_write_kv_kernel"), (td, "_decode_split_kernel"),
+                         (td, "_decode_reduce_kernel"), (tp, "_prefill_kernel")):
+        monkeypatch.setattr(module, name, _Recorder(name, log))
 
     def boom(*_args: object, **_kwargs: object) -> None:
         raise AssertionError("host sync in the triton attention path")
@@ -309,20 +455,20 @@ def test_launches_have_no_host_syncs_and_reuse_the_step_plan(monkeypatch) -> Non
         "_decode_reduce_kernel": (2, 8),  # (decodes, q heads)
         "_prefill_kernel": (1, 2, 2),  # (q tiles of 32 tokens, kv heads, prefills)
     }
-    partials = [args[6:9] for name, _, args, _ in log if name == "_decode_split_kernel"]
+    partials = [args[7:10] for name, _, args, _ in log if name == "_decode_split_kernel"]
     assert all(a is b for a, b in zip(*partials))  # one allocation per step
 
 
 def test_choose_num_splits() -> None:
     # Bounded by length (256 tokens a split), then rounded up to a power of two.
-    assert tk.choose_num_splits(100, 1, 8, 132) == 1
-    assert tk.choose_num_splits(257, 1, 8, 132) == 2
-    assert tk.choose_num_splits(700, 1, 8, 132) == 4
-    assert tk.choose_num_splits(100_000, 1, 8, 132) == 16  # max_splits
+    assert td.choose_num_splits(100, 1, 8, 132) == 1
+    assert td.choose_num_splits(257, 1, 8, 132) == 2
+    assert td.choose_num_splits(700, 1, 8, 132) == 4
+    assert td.choose_num_splits(100_000, 1, 8, 132) == 16  # max_splits
     # A batch that already fills the GPU twice over is not split.
-    assert tk.choose_num_splits(100_000, 64, 8, 132) == 1
-    assert tk.choose_num_splits(100_000, 8, 8, 132) == 8
-    assert tk.split_length(700, 4, 64) == 192  # ceil(175 / 64) * 64
+    assert td.choose_num_splits(100_000, 64, 8, 132) == 1
+    assert td.choose_num_splits(100_000, 8, 8, 132) == 8
+    assert td.split_length(700, 4, 64) == 192  # ceil(175 / 64) * 64
 
 
 def test_registered_backend_and_input_errors() -> None:
@@ -341,7 +487,8 @@ def test_backend_without_triton_installed(monkeypatch) -> None:
     import pagedlm.attention
 
     monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` now raises
-    for name in ("triton_backend", "triton_kernels"):  # forget them, so they re-import
+    for name in ("triton_backend", "triton_decode", "triton_prefill", "triton_kernels"):
+        # forget them, so that they are imported again
         monkeypatch.delitem(sys.modules, f"pagedlm.attention.{name}")
         monkeypatch.delattr(pagedlm.attention, name)
     assert get_attention_backend("torch").name == "torch"
@@ -359,9 +506,11 @@ _COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from pagedlm.attention import triton_kernels as tk
+from pagedlm.attention import triton_decode as td, triton_kernels as tk, triton_prefill as tp
 
 I64_PTRS = {"slot_mapping_ptr", "block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"}
+FP32_PTRS = {"alibi_slopes_ptr", "part_m_ptr", "part_l_ptr", "part_acc_ptr"}
+FP32_ARGS = {"qk_scale", "cap_scale"}
 
 def build(fn, dtype, num_warps=4, **consts):
     sig = {}
@@ -370,12 +519,12 @@ def build(fn, dtype, num_warps=4, **consts):
             sig[name] = "constexpr"
         elif name in I64_PTRS:
             sig[name] = "*i64"
-        elif name.startswith("part_"):
+        elif name in FP32_PTRS:
             sig[name] = "*fp32"
         elif name.endswith("_ptr"):
             sig[name] = "*" + dtype
         else:
-            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            sig[name] = "fp32" if name in FP32_ARGS else "i32"
     hinted = [(i,) for i, n in enumerate(fn.arg_names) if n not in consts
               and (n.endswith("_ptr") or n.startswith("stride") or n == "split_len")]
     attrs = {k: [["tt.divisibility", 16]] for k in hinted}
@@ -383,15 +532,21 @@ def build(fn, dtype, num_warps=4, **consts):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
 
 unit = dict(stride_cd=1)
-for dtype, prec in (("bf16", None), ("fp32", "ieee")):
+plain = dict(ALIBI=False, HAS_WINDOW=False, SOFTCAP=False)
+every = dict(ALIBI=True, HAS_WINDOW=True, SOFTCAP=True)
+for dtype, prec, decode_variants in (("bf16", None, (plain, every)), ("fp32", "ieee", (plain,))):
     build(tk._write_kv_kernel, dtype, stride_kd=1, stride_vd=1, BLOCK_SIZE=16, BLOCK_KVH=8,
           HEAD_DIM=128, **unit)
-    build(tk._decode_split_kernel, dtype, stride_qd=1, stride_od=1, GROUP=4, BLOCK_H=16,
-          HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=tk.DECODE_BLOCK_N, NUM_SPLITS=4, UPCAST=False,
-          DOT_PREC=prec, **unit)
-    build(tk._decode_reduce_kernel, dtype, 1, stride_od=1, HEAD_DIM=128, NUM_SPLITS=4)
-build(tk._prefill_kernel, "bf16", stride_qd=1, stride_od=1, GROUP=3, GROUP_PAD=4, BLOCK_M=16,
-      HEAD_DIM=128, BLOCK_SIZE=32, BLOCK_N=tk.PREFILL_BLOCK_N, UPCAST=False, DOT_PREC=None, **unit)
+    for options in decode_variants:
+        build(td._decode_split_kernel, dtype, stride_qd=1, stride_od=1, GROUP=4, BLOCK_H=16,
+              HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=td.DECODE_BLOCK_N, NUM_SPLITS=4,
+              UPCAST=False, DOT_PREC=prec, **options, **unit)
+    build(td._decode_reduce_kernel, dtype, 1, stride_od=1, HEAD_DIM=128, NUM_SPLITS=4,
+          BLOCK_N=td.DECODE_BLOCK_N, HAS_WINDOW=dtype == "bf16")
+for options in (plain, every):
+    build(tp._prefill_kernel, "bf16", stride_qd=1, stride_od=1, GROUP=3, GROUP_PAD=4,
+          BLOCK_M=16, HEAD_DIM=128, BLOCK_SIZE=32, BLOCK_N=tp.PREFILL_BLOCK_N, UPCAST=False,
+          DOT_PREC=None, **options, **unit)
 print("compiled")
 """
 
@@ -420,4 +575,14 @@ def test_gpu_larger_shapes(dtype, head_dim, block_size, heads) -> None:
     case = make_case(decodes + prefills, heads, head_dim, block_size, dtype=dtype,
                      num_decodes=len(decodes))
     check(case)
+    assert num_splits_used(case) > 1
+
+
+@pytest.mark.skipif(not _ON_GPU, reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_options_larger_shapes(dtype) -> None:
+    decodes = [(n - 1, 1) for n in (4000, 2500, 1024, 513, 100, 16, 1)] * 2
+    prefills = [(1000, 200), (0, 512), (64, 129), (333, 1)]
+    case = make_case(decodes + prefills, (16, 4), 128, 16, dtype=dtype, num_decodes=len(decodes))
+    check_options(case, alibi_slopes=slopes_for(16), sliding_window=700, logits_soft_cap=30.0)
     assert num_splits_used(case) > 1

@@ -1,6 +1,8 @@
 """The Triton attention backend: fused cache write, split-K decode, paged prefill.
 
-The kernels live in `triton_kernels.py`; this class plans each step's launches from
+The kernels live in `triton_kernels.py` (cache write, shared loop), `triton_decode.py`
+and `triton_prefill.py`; ALiBi, sliding windows and logit soft-capping are constexpr
+switches of the same kernels. This class plans each step's launches from
 the host copies in the metadata (`seq_lens_cpu`, `max_query_len`), so a forward
 never reads a device tensor back. Per-step plans (split count, the fp32 partial
 buffers of split-K decode) are made by the first layer and reused by the others
@@ -11,7 +13,9 @@ partial buffers are static per size.
 
 import torch
 
+from pagedlm.attention import triton_decode as td
 from pagedlm.attention import triton_kernels as tk
+from pagedlm.attention import triton_prefill as tp
 from pagedlm.attention.metadata import AttentionMetadata
 
 # Used for the split heuristic when the tensors are not on a GPU (the interpreter),
@@ -45,10 +49,11 @@ class TritonPagedAttention:
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
-        alibi_slopes: torch.Tensor | None = None,
+        *,
+        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        if alibi_slopes is not None:
-            raise NotImplementedError("the triton attention backend does not support ALiBi; use 'torch'")
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key.shape[1]
         if num_heads % num_kv_heads != 0:
@@ -57,41 +62,59 @@ class TritonPagedAttention:
             )
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim={head_dim}: the triton backend needs a power of two >= 16")
+        if alibi_slopes is not None and (
+            alibi_slopes.shape != (num_heads,) or alibi_slopes.dtype != torch.float32
+            or alibi_slopes.stride(0) != 1
+        ):
+            raise ValueError(
+                f"alibi_slopes must be a contiguous float32 tensor of shape ({num_heads},), "
+                f"got {alibi_slopes.dtype} {tuple(alibi_slopes.shape)}"
+            )
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+        if logits_soft_cap is not None and not logits_soft_cap > 0:
+            raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 or None")
+        options = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                       logits_soft_cap=logits_soft_cap)
 
         tk.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         if meta.num_decodes > 0:
-            num_splits, split_len, partials = self._decode_plan(meta, query, num_kv_heads)
-            tk.paged_decode_attention(
+            num_splits, split_len, partials = self._decode_plan(
+                meta, query, num_kv_heads, sliding_window
+            )
+            td.paged_decode_attention(
                 out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                meta.num_decodes, scale, num_splits, split_len, partials,
+                meta.num_decodes, scale, num_splits, split_len, partials, **options,
             )
         if meta.num_prefills > 0:
-            tk.paged_prefill_attention(
+            tp.paged_prefill_attention(
                 out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, meta.num_decodes, meta.num_prefills,
-                meta.max_query_len, scale,
+                meta.max_query_len, scale, **options,
             )
         return out
 
     def _decode_plan(
-        self, meta: AttentionMetadata, query: torch.Tensor, num_kv_heads: int
+        self, meta: AttentionMetadata, query: torch.Tensor, num_kv_heads: int,
+        sliding_window: int | None,
     ) -> tuple[int, int, tuple[torch.Tensor, ...] | None]:
-        """(num_splits, split_len, partial buffers) for this step, made once per step."""
+        """(num_splits, split_len, partial buffers) for this step, made once per step
+        (per window: layers with and without one, as in Gemma 2, read different spans)."""
         num_heads, head_dim = query.shape[1], query.shape[2]
-        key = ("triton_decode", query.device, num_heads, num_kv_heads, head_dim)
+        key = ("triton_decode", query.device, num_heads, num_kv_heads, head_dim, sliding_window)
         plan = meta.backend_cache.get(key)
         if plan is None:
-            max_len = max(meta.seq_lens_cpu[: meta.num_decodes])
-            num_splits = tk.choose_num_splits(
+            max_len = td.decode_span(max(meta.seq_lens_cpu[: meta.num_decodes]), sliding_window)
+            num_splits = td.choose_num_splits(
                 max_len, meta.num_decodes, num_kv_heads, self._sms(query.device),
                 self.min_tokens_per_split, self.max_splits,
             )
-            split_len = tk.split_length(max_len, num_splits, tk.DECODE_BLOCK_N)
+            split_len = td.split_length(max_len, num_splits, td.DECODE_BLOCK_N)
             partials = None
             if num_splits > 1:
-                partials = tk.alloc_partials(
+                partials = td.alloc_partials(
                     meta.num_decodes, num_heads, num_splits, head_dim, query.device
                 )
             plan = (num_splits, split_len, partials)
