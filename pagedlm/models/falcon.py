@@ -18,6 +18,19 @@ head's query heads followed by its key and value (head_dim rows each):
 All three layouts are this picture: multi-query is one group of g = heads, the old
 multi-head layout is heads groups of g = 1 (per head [q | k | v], as in GPT-NeoX).
 Query head h reads KV head h // g in both. Rotary is rotate-half over the whole head.
+
+Falcon-RW (`alibi=True`, e.g. falcon-rw-1b) has no rotary; ALiBi biases the scores
+instead, as HF's FalconModel (and the original RW code) computes it:
+
+    scores = (q . k + slope_h * j) / sqrt(head_dim)      slope_h rounded to bfloat16
+
+i.e. the bias is added *before* the softmax scale, so our slopes are BLOOM's, rounded
+to bf16, times 1 / sqrt(head_dim). HF also rounds each product slope_h * j to bf16;
+that rounding depends on the absolute position j and cannot be reproduced by a relative
+bias slope_h * (j - i). Where the slopes are powers of two (e.g. 8 heads) and j < 256
+both are exact; otherwise (e.g. falcon-rw-1b's 32 heads) our bias differs from HF's by
+up to 2^-8 of its size. (HF's eager attention adds the bias twice, once more in the
+mask; we follow its SDPA path and the original code.)
 """
 
 from __future__ import annotations
@@ -27,10 +40,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedlm.attention.alibi import alibi_slopes
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.layers.attention import Attention
 from pagedlm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedlm.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pagedlm.layers.parallel_state import get_tp_group
 from pagedlm.layers.rotary import RotaryEmbedding
 from pagedlm.models.gpt_neox import gelu_fn, load_named_weights
 
@@ -43,8 +58,14 @@ def falcon_num_kv_heads(config) -> int:
     return 1 if config.multi_query else config.num_attention_heads
 
 
+def falcon_alibi_slopes(num_heads: int, head_dim: int) -> torch.Tensor:
+    """[num_heads] float32: BLOOM's slopes rounded to bf16 (as HF Falcon rounds them),
+    times the softmax scale, which HF applies to the bias too."""
+    return alibi_slopes(num_heads).bfloat16().float() * head_dim**-0.5
+
+
 class FalconAttention(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding | None, backend) -> None:
         super().__init__()
         hidden = config.hidden_size
         total_heads = config.num_attention_heads
@@ -56,8 +77,13 @@ class FalconAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.dense = RowParallelLinear(hidden, hidden, bias=config.bias)
-        self.rotary_emb = rotary
-        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend)
+        self.rotary_emb = rotary  # None with ALiBi
+        slopes = None
+        if getattr(config, "alibi", False):
+            first = get_tp_group().rank * self.num_heads
+            slopes = falcon_alibi_slopes(total_heads, self.head_dim)[first : first + self.num_heads]
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, backend,
+                              alibi_slopes=slopes)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         # The engine sizes the cache from config.num_key_value_heads; a cache with more KV
@@ -71,7 +97,8 @@ class FalconAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        if self.rotary_emb is not None:
+            q, k = self.rotary_emb(positions, q, k)
         o = self.attn(q, k, v, meta)  # [num_tokens, num_heads, head_dim]
         return self.dense(o.reshape(num_tokens, self.q_size))
 
@@ -89,7 +116,7 @@ class FalconMLP(nn.Module):
 
 
 class FalconDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding | None, backend) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.layer_norm_epsilon
         self.self_attention = FalconAttention(config, rotary, backend)
@@ -130,7 +157,7 @@ class FalconDecoderLayer(nn.Module):
 
 
 class FalconModel(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, backend) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding | None, backend) -> None:
         super().__init__()
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.h = nn.ModuleList(FalconDecoderLayer(config, rotary, backend) for _ in range(config.num_hidden_layers))
@@ -146,8 +173,6 @@ class FalconModel(nn.Module):
 class FalconForCausalLM(nn.Module):
     def __init__(self, config, backend, max_position: int, dtype: torch.dtype) -> None:
         super().__init__()
-        if getattr(config, "alibi", False):
-            raise ValueError("ALiBi Falcon (config.alibi=True) is not supported yet; only rotary Falcon is")
         self.config = config
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = falcon_num_kv_heads(config)
@@ -162,7 +187,7 @@ class FalconForCausalLM(nn.Module):
             f"config.num_key_value_heads={published} but Falcon uses {self.num_kv_heads} KV heads"
         )
         config.num_key_value_heads = self.num_kv_heads
-        rotary = RotaryEmbedding(config, self.head_dim, max_position, dtype)
+        rotary = None if getattr(config, "alibi", False) else RotaryEmbedding(config, self.head_dim, max_position, dtype)
         self.transformer = FalconModel(config, rotary, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if getattr(config, "tie_word_embeddings", True):

@@ -52,16 +52,15 @@ def _aquila(raw: dict) -> dict:
 
 
 def _baichuan(raw: dict) -> dict:
-    """Baichuan-7B / Baichuan2-7B: Llama with RoPE and a fused W_pack. The 13B models use
-    ALiBi instead of rotary; their config.json has `model_max_length` but no
-    `max_position_embeddings` (the 7B ones have it), which is how we tell them apart."""
-    if "max_position_embeddings" not in raw:
-        raise ValueError(
-            "Baichuan checkpoints with ALiBi attention (Baichuan-13B / Baichuan2-13B: no "
-            "max_position_embeddings, i.e. no rotary embedding) are not supported yet; "
-            "only the rotary Baichuan-7B layout is"
-        )
-    return _llama_like(raw)
+    """Baichuan: Llama with a fused W_pack. The 13B models use ALiBi instead of rotary
+    (`pagedlm.models.baichuan.uses_alibi`: no max_position_embeddings) and size their
+    context by `model_max_length`; the choice is recorded as `position_embedding`."""
+    from pagedlm.models.baichuan import uses_alibi
+
+    if uses_alibi(raw):
+        return _llama_like(raw, max_position_embeddings=raw.get("model_max_length", 4096),
+                           position_embedding="alibi")
+    return _llama_like(raw, position_embedding="rope")
 
 
 def _qwen(raw: dict) -> dict:

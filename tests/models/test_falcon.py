@@ -1,5 +1,6 @@
 """Falcon: greedy outputs and logprobs equal HF transformers' on tiny random checkpoints of
-each decoder layout (new-architecture GQA, old multi-query parallel, old multi-head serial)."""
+each decoder layout (new-architecture GQA, old multi-query parallel, old multi-head serial),
+and of Falcon-RW (ALiBi instead of rotary, on the old multi-head serial layout)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
-from tests.helpers import check_greedy_match, hf_greedy, hf_logprobs_along
+from tests.helpers import assert_matches_hf, check_greedy_match, hf_greedy, hf_logprobs_along
 
 PROMPTS = [
     [1, 17, 300, 42, 7],
@@ -22,6 +23,12 @@ LAYOUTS = {
     "old-mqa-parallel": dict(multi_query=True, parallel_attn=True),
     "old-mha-serial": dict(multi_query=False, parallel_attn=False, bias=True, ffn_hidden_size=96),
 }
+# 8 heads: slopes 2^-1 .. 2^-8, for which HF's bf16 rounding of slope * position is exact
+# (see pagedlm/models/falcon.py).
+ALIBI_LAYOUTS = {
+    "rw-alibi": dict(alibi=True, multi_query=False, parallel_attn=False, bias=True),  # falcon-rw-1b's
+    "alibi-mqa-parallel": dict(alibi=True, multi_query=True, parallel_attn=True),  # 8 heads on 1 KV head
+}
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +36,7 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
     from transformers import FalconConfig, FalconForCausalLM
 
     paths = {}
-    for seed, (name, extra) in enumerate(LAYOUTS.items()):
+    for seed, (name, extra) in enumerate({**LAYOUTS, **ALIBI_LAYOUTS}.items()):
         torch.manual_seed(seed)
         path = tmp_path_factory.mktemp(name)
         FalconForCausalLM(FalconConfig(**BASE, **extra)).eval().save_pretrained(path, safe_serialization=True)
@@ -40,7 +47,8 @@ def tiny_paths(tmp_path_factory) -> dict[str, str]:
 def _hf(path: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # SDPA, as by default: HF's eager Falcon attention adds the ALiBi bias twice.
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -73,10 +81,20 @@ def test_greedy_equals_hf(tiny_paths, layout):
             assert got == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
 
 
-def test_alibi_rejected(tmp_path):
-    from transformers import FalconConfig
+@pytest.mark.parametrize("layout", list(ALIBI_LAYOUTS))
+def test_alibi_greedy_and_logprobs_equal_hf(tiny_paths, layout):
+    path = tiny_paths[layout]
+    assert_matches_hf(path, _hf(path), PROMPTS, MAX_TOKENS, context=layout)
 
-    from pagedlm.models.falcon import FalconForCausalLM
 
-    with pytest.raises(ValueError, match="ALiBi Falcon"):
-        FalconForCausalLM(FalconConfig(**BASE, alibi=True), None, 256, torch.float32)
+def test_alibi_slopes_follow_hf():
+    """HF Falcon's bias is bf16(bf16(slope) * j), added before the 1/sqrt(head_dim) scale;
+    ours is slope * (j - i) with the scale folded in: the slopes (HF's bias at j = 1) are
+    equal for every head count, power of two or not."""
+    from transformers.models.falcon.modeling_falcon import build_alibi_tensor
+
+    from pagedlm.models.falcon import falcon_alibi_slopes
+
+    for heads in (8, 32, 6):
+        hf = build_alibi_tensor(torch.ones(1, 2, dtype=torch.long), heads, torch.float32)[:, 0, 1]
+        assert torch.equal(falcon_alibi_slopes(heads, head_dim=16), hf / 4)  # position 1: the slopes
