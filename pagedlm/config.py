@@ -43,7 +43,7 @@ class EngineArgs:
     kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: C++ kernels on CPU if they build, else torch
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     record_kv_usage: bool = False  # per-step allocated slots vs tokens held
 

@@ -70,12 +70,31 @@ def _load_triton() -> type:
     return TritonPagedAttention
 
 
-# Imported on first use, so that installs without their optional package still work.
-_LAZY_BACKENDS: dict[str, Callable[[], type]] = {"triton": _load_triton}
+def _load_cpu() -> type:
+    from pagedlm.attention.cpu_paged import CpuPagedAttention
+
+    return CpuPagedAttention
+
+
+# Imported on first use, so that installs without their optional package (or, for "cpu",
+# without a C++ compiler) still work.
+_LAZY_BACKENDS: dict[str, Callable[[], type]] = {"triton": _load_triton, "cpu": _load_cpu}
+
+
+def resolve_backend_name(name: str, device_type: str) -> str:
+    """ "auto": the C++ kernels on CPU when they build (else "torch"); "torch" on GPUs."""
+    if name != "auto":
+        return name
+    if device_type == "cpu":
+        from pagedlm.attention.cpu_paged import cpu_kernels_available
+
+        return "cpu" if cpu_kernels_available() else "torch"
+    return "torch"
 
 
 def get_attention_backend(name: str = "torch") -> AttentionBackend:
-    """Return a new instance of the backend called `name` ("torch", "reference", "triton")."""
+    """Return a new instance of the backend called `name` ("torch", "reference", "triton",
+    "cpu")."""
     if name in _LAZY_BACKENDS:
         try:
             cls = _LAZY_BACKENDS[name]()

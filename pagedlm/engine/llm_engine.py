@@ -91,7 +91,7 @@ class StepRecord:
 
 class LLMEngine:
     def __init__(self, args: EngineArgs) -> None:
-        from pagedlm.attention.backends import get_attention_backend
+        from pagedlm.attention.backends import get_attention_backend, resolve_backend_name
         from pagedlm.loader.model_loader import (
             build_model,
             load_tokenizer_for,
@@ -119,7 +119,8 @@ class LLMEngine:
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer_for(source, args.tokenizer)
 
-        backend = get_attention_backend(args.attention_backend)
+        self.attention_backend = resolve_backend_name(args.attention_backend, self.device.type)
+        backend = get_attention_backend(self.attention_backend)
         # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
         self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
                                  self.device, args.load_format, args.seed)
@@ -200,9 +201,9 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
-            "max_model_len %d, loaded in %.1f s",
+            "max_model_len %d, attention %s, loaded in %.1f s",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-            block_size, capacity, self.max_model_len, self.load_time_s,
+            block_size, capacity, self.max_model_len, self.attention_backend, self.load_time_s,
         )
 
     def _profile_cuda_blocks(self, block_bytes, max_batched, model_max_len, num_layers,

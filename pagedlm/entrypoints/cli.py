@@ -43,8 +43,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
     g.add_argument("--num-threads", type=int, default=None)
-    g.add_argument("--attention-backend", default="torch", choices=["torch", "triton", "reference"],
-                   help="paged-attention implementation (triton: GPU kernels; CUDA graphs need it)")
+    g.add_argument("--attention-backend", default="auto",
+                   choices=["auto", "cpu", "torch", "triton", "reference"],
+                   help="paged-attention implementation (auto: the C++ kernels on CPU, torch on "
+                        "GPUs; triton: GPU kernels, which CUDA graphs need)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

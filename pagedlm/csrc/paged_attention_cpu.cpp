@@ -1,0 +1,221 @@
+// Paged decode attention for CPU: one query token per sequence, K/V read straight from
+// the cache blocks (no gathered copy of the context), split over the context so that a
+// batch of one long sequence still keeps every core busy.
+//
+// Cache layout (one layer):  [num_blocks, block_size, num_kv_heads, head_dim]
+// Token t of sequence b lives in block block_tables[b, t / block_size], row t % block_size.
+//
+// Work item = (sequence, kv head, partition of <= kPartition context tokens). Each item
+// computes, for the `group` query heads that share its kv head, the partition's softmax
+// maximum, sum of exponentials and un-normalised weighted sum of V; a second pass merges
+// the partitions of each (sequence, kv head):
+//
+//   out = sum_p exp(m_p - m) * acc_p / sum_p exp(m_p - m) * s_p,   m = max_p m_p
+//
+// Score of query head h (= kv_head * group + g) against key t, query at position
+// q = seq_len - 1 (the same maths as attention/reference.py):
+//   s = (q_h . k_t) * scale;  s = cap * tanh(s / cap) if cap > 0;  s += slope_h * (t - q);
+//   visible iff t <= q and (window <= 0 or q - t < window).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kPartition = 256;
+
+struct Item {
+  int64_t seq;
+  int64_t kv_head;
+  int64_t begin;  // first context token of the partition
+  int64_t end;    // one past the last
+  int64_t slot;   // index of this item's partial results
+};
+
+template <typename cache_t>
+void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled*/,
+                 const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
+                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
+                 int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[G, P]*/,
+                 float* acc /*[G, D]*/, float* m_out /*[G]*/, float* s_out /*[G]*/) {
+  const int64_t n = it.end - it.begin;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const float* qg = q + it.kv_head * group * head_dim;  // the group's query heads, [G, D]
+
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = it.begin + i;
+    const int64_t block = block_table[t / block_size];
+    const cache_t* k = k_cache + (block * block_size + t % block_size) * token_stride +
+                       it.kv_head * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qh = qg + g * head_dim;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < head_dim; ++d) dot += qh[d] * static_cast<float>(k[d]);
+      if (soft_cap > 0.f) dot = soft_cap * std::tanh(dot / soft_cap);
+      if (slopes != nullptr) dot += slopes[it.kv_head * group + g] * static_cast<float>(t - q_pos);
+      scores[g * n + i] = dot;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * n;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+      s[i] = std::exp(s[i] - m);
+      sum += s[i];
+    }
+    m_out[g] = m;
+    s_out[g] = sum;
+  }
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = it.begin + i;
+    const int64_t block = block_table[t / block_size];
+    const cache_t* v = v_cache + (block * block_size + t % block_size) * token_stride +
+                       it.kv_head * head_dim;
+    for (int64_t g = 0; g < group; ++g) {
+      const float p = scores[g * n + i];
+      float* a = acc + g * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * static_cast<float>(v[d]);
+    }
+  }
+}
+
+template <typename cache_t>
+void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+         const torch::Tensor& block_tables, const std::vector<int64_t>& seq_lens, float soft_cap,
+         int64_t window, const float* slopes, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(num_seqs * num_kv_heads + 1, 0);
+  int64_t slot = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t len = seq_lens[b];
+    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      first_slot[b * num_kv_heads + h] = slot;
+      for (int64_t p = start; p < len; p += kPartition) {
+        items.push_back({b, h, p, std::min(p + kPartition, len), slot++});
+      }
+    }
+  }
+  first_slot[num_seqs * num_kv_heads] = slot;
+
+  auto opts = torch::TensorOptions().dtype(torch::kFloat);
+  torch::Tensor acc = torch::empty({slot, group, head_dim}, opts);
+  torch::Tensor maxes = torch::empty({slot, group}, opts);
+  torch::Tensor sums = torch::empty({slot, group}, opts);
+  float* acc_p = acc.data_ptr<float>();
+  float* max_p = maxes.data_ptr<float>();
+  float* sum_p = sums.data_ptr<float>();
+  const float* q_p = q.data_ptr<float>();
+  const cache_t* k_p = k_cache.data_ptr<cache_t>();
+  const cache_t* v_p = v_cache.data_ptr<cache_t>();
+  const int64_t* bt_p = block_tables.data_ptr<int64_t>();
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(group * kPartition);
+    for (int64_t i = begin; i < end; ++i) {
+      const Item& it = items[i];
+      decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
+                           bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
+                           seq_lens[it.seq] - 1, soft_cap, slopes, scores.data(),
+                           acc_p + it.slot * group * head_dim, max_p + it.slot * group,
+                           sum_p + it.slot * group);
+    }
+  });
+
+  float* out_p = out.data_ptr<float>();
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
+      const int64_t s0 = first_slot[bh], s1 = first_slot[bh + 1];
+      for (int64_t g = 0; g < group; ++g) {
+        float* o = out_p + (b * num_heads + h * group + g) * head_dim;
+        float m = -std::numeric_limits<float>::infinity();
+        for (int64_t s = s0; s < s1; ++s) m = std::max(m, max_p[s * group + g]);
+        float denom = 0.f;
+        std::fill(o, o + head_dim, 0.f);
+        for (int64_t s = s0; s < s1; ++s) {
+          const float w = std::exp(max_p[s * group + g] - m);
+          denom += w * sum_p[s * group + g];
+          const float* a = acc_p + (s * group + g) * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
+        }
+        const float inv = 1.f / denom;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// query [num_seqs, num_heads, head_dim] float32 contiguous, already multiplied by the
+// softmax scale; caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
+// block_tables [num_seqs, max_blocks] int64; seq_lens on the host. Returns float32
+// [num_seqs, num_heads, head_dim].
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, std::vector<int64_t> seq_lens,
+                           double soft_cap, int64_t window, c10::optional<torch::Tensor> slopes) {
+  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat && query.is_contiguous(),
+              "query must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache/v_cache must be contiguous, equal-shaped [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous() &&
+                  block_tables.size(0) == query.size(0),
+              "block_tables must be contiguous int64 [num_seqs, max_blocks]");
+  TORCH_CHECK(static_cast<int64_t>(seq_lens.size()) == query.size(0), "one seq_len per sequence");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "head_dim of query and cache differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
+  for (int64_t len : seq_lens) {
+    TORCH_CHECK(len >= 1 && len <= block_tables.size(1) * k_cache.size(1),
+                "seq_len ", len, " outside the block table");
+  }
+  const float* slopes_p = nullptr;
+  torch::Tensor slopes_f;
+  if (slopes.has_value()) {
+    slopes_f = slopes->to(torch::kFloat).contiguous();
+    TORCH_CHECK(slopes_f.numel() == query.size(1), "one ALiBi slope per query head");
+    slopes_p = slopes_f.data_ptr<float>();
+  }
+  torch::Tensor out = torch::empty_like(query);
+  const float cap = static_cast<float>(soft_cap);
+  switch (k_cache.scalar_type()) {
+    case torch::kFloat:
+      run<float>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      break;
+    case torch::kBFloat16:
+      run<at::BFloat16>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      break;
+    case torch::kHalf:
+      run<at::Half>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention on CPU");
+}
