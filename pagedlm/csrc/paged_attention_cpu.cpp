@@ -22,12 +22,33 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
 namespace {
 
 constexpr int64_t kPartition = 256;
+
+// exp(x) for x <= 0 in plain float arithmetic, so that the compiler vectorises the loops
+// calling it (libm's expf is a scalar call). x = n ln2 + r ln2 with n an integer and
+// |r| <= 1/2; 2^r from a degree-6 polynomial (the classic Cephes exp2f coefficients,
+// relative error ~2e-7); 2^n written straight into the exponent bits.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);  // keeps 2^n a normal float
+  const float t = x * 1.44269504088896341f;  // x * log2(e)
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * r + 1.339887440266574e-3f;
+  p = p * r + 9.618437357674640e-3f;
+  p = p * r + 5.550332471162809e-2f;
+  p = p * r + 2.402264791363012e-1f;
+  p = p * r + 6.931472028550421e-1f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
 
 struct Item {
   int64_t seq;
@@ -65,10 +86,12 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * n;
     float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
     for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
     float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) {
-      s[i] = std::exp(s[i] - m);
+      s[i] = exp_nonpositive(s[i] - m);
       sum += s[i];
     }
     m_out[g] = m;
