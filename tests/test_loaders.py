@@ -91,6 +91,7 @@ def write_tiny_gguf(
     extra: dict[str, float | int | str] | None = None,
     n_head: int = TINY["num_attention_heads"],
     n_head_kv: int = TINY["num_key_value_heads"],
+    gguf_name=_gguf_name,
 ) -> None:
     w = gguf.GGUFWriter(path, arch)
     w.add_name("tiny test model")
@@ -127,9 +128,9 @@ def write_tiny_gguf(
         elif permute and ".k_proj." in name:
             a = llama_cpp_permute(a, n_head_kv)
         if qtype is not None and a.ndim == 2:
-            w.add_tensor(_gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(a, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(_gguf_name(name), a)
+            w.add_tensor(gguf_name(name), a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -351,6 +352,89 @@ def test_qwen2_gguf_is_not_unpermuted(tmp_path: Path) -> None:
     assert set(got) == set(sd)
     for name, tensor in sd.items():
         assert torch.equal(got[name], tensor), name
+
+
+_GEMMA_TO_GGUF_BLOCK = {
+    **_HF_TO_GGUF_BLOCK,
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+}
+
+
+def _gemma_gguf_name(hf_name: str) -> str:
+    if not hf_name.startswith("model.layers."):
+        return _gguf_name(hf_name)
+    parts = hf_name.split(".")
+    return f"blk.{parts[2]}.{_GEMMA_TO_GGUF_BLOCK['.'.join(parts[3:-1])]}.{parts[-1]}"
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_gguf_names_norm_shift_and_config(tmp_path: Path, arch: str) -> None:
+    extra: dict[str, float | int | str] = {f"{arch}.attention.sliding_window": 8, f"{arch}.attention.key_length": 16}
+    if arch == "gemma2":
+        config = transformers.Gemma2Config(**TINY, query_pre_attn_scalar=16, sliding_window=8)
+        model = transformers.Gemma2ForCausalLM(config)
+        extra.update({"gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0})
+    else:
+        config = transformers.Gemma3TextConfig(**TINY, query_pre_attn_scalar=16, sliding_window=8)
+        model = transformers.Gemma3ForCausalLM(config)
+        extra.update({"gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0})
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(-0.5, 0.5)
+    sd = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # llama.cpp's converter stores Gemma norm weights as 1 + w
+    stored = {k: v + 1 if k.endswith("norm.weight") else v for k, v in sd.items()}
+    write_tiny_gguf(tmp_path / "gemma.gguf", stored, arch=arch, permute=False, extra=extra,
+                    gguf_name=_gemma_gguf_name)
+    with GGUFCheckpoint(tmp_path / "gemma.gguf") as ckpt:
+        cfg = ckpt.config
+        got = dict(ckpt.weights())
+    assert type(cfg) is type(config) and cfg.architectures == [type(model).__name__]
+    assert (cfg.sliding_window, cfg.head_dim, cfg.query_pre_attn_scalar) == (8, 16, 16)
+    assert cfg.tie_word_embeddings is True
+    if arch == "gemma2":
+        assert (cfg.attn_logit_softcapping, cfg.final_logit_softcapping) == (50.0, 30.0)
+        assert cfg.layer_types == ["sliding_attention", "full_attention"]  # alternating
+    else:
+        assert cfg.layer_types == ["sliding_attention"] * 2  # every 6th layer is global
+        assert cfg.rope_parameters["full_attention"] == {"rope_type": "linear", "rope_theta": 10000.0, "factor": 8.0}
+        assert cfg.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    assert set(got) == set(sd)
+    for name, tensor in sd.items():  # (w + 1) - 1 in float32: within an ulp of 1
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=2e-7, msg=name)
+
+
+@pytest.mark.parametrize("qtype", [QT.Q5_0, QT.Q5_1, QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K])
+def test_dequantize_random_blocks_match_gguf_reference(qtype: QT) -> None:
+    """Every bit pattern of the quantised fields (gguf cannot quantise to these types), with
+    finite fp16 scales, against the gguf library's reference dequantisation."""
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    fp16_fields = {QT.Q5_0: [0], QT.Q5_1: [0, 2], QT.Q2_K: [80, 82], QT.Q3_K: [108],
+                   QT.Q4_K: [0, 2], QT.Q5_K: [0, 2], QT.Q6_K: [208]}[qtype]
+    rng = np.random.default_rng(int(qtype))
+    raw = rng.integers(0, 256, size=(24, type_size), dtype=np.uint8)
+    for start in fp16_fields:
+        raw[:, start : start + 2] = rng.uniform(-2, 2, (24, 1)).astype(np.float16).view(np.uint8)
+    shape = (3, 8 * block_size)
+    expected = gguf.quants.dequantize(raw.reshape(3, -1), qtype).reshape(shape)
+    got = dequantize_raw(raw.reshape(-1), qtype, shape)
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got, expected)
+
+
+def test_gemma_merges_equal_transformers() -> None:
+    from transformers.tokenization_utils_base import generate_merges
+
+    from pagedlm.loader.tokenizer import _gemma_merges
+
+    tokens = ["<pad>", "a", "b", "c", "ab", "bc", "abc", "\u2581", "\u2581a", "ca", "abca", "bca"]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    assert _gemma_merges(vocab) == generate_merges(vocab, {t: -i for i, t in enumerate(tokens)})
 
 
 # ---------------------------------------------------------------------------------------------

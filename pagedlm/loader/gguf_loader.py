@@ -3,8 +3,9 @@
 The file is read with our own small parser rather than ``gguf.GGUFReader``: the reader builds a
 Python object per array element, which costs ~3 s on SmolLM2's 49k-token vocabulary, while the
 format itself is simple (header, typed key/value pairs, tensor infos, aligned data). Common
-quantisations (F32/F16/BF16/Q8_0/Q4_0/Q4_1) are dequantised with vectorised torch ops; anything
-else falls back to ``gguf.quants.dequantize``.
+quantisations (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants Q2_K..Q6_K) are dequantised
+with our vectorised numpy code (``gguf_format``); anything else falls back to
+``gguf.quants.dequantize``.
 
 Layout of a GGUF file (all little-endian)::
 
@@ -123,6 +124,64 @@ class GGUFArchSpec:
     # GGUF tensors with no HF counterpart (e.g. llama3's precomputed rope frequency factors).
     ignored_tensors: frozenset[str] = frozenset({"rope_freqs.weight"})
     tensor_transform: Callable[[str, torch.Tensor], torch.Tensor] | None = None
+    # Last say on the config kwargs, for what the file leaves implicit (Gemma's layer kinds).
+    config_transform: Callable[[GGUFCheckpoint, dict[str, Any]], None] | None = None
+
+
+# Gemma: llama.cpp names the sandwich norms differently and adds q/k norms (Gemma 3).
+_GEMMA_BLOCK_TENSORS: dict[str, str] = {
+    **_LLAMA_LIKE_BLOCK_TENSORS,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_GEMMA_CONFIG_KEYS: dict[str, str] = {
+    **_LLAMA_LIKE_CONFIG_KEYS,
+    "attention.sliding_window": "sliding_window",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
+}
+
+
+def _gemma_norm_weight(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    # HF's Gemma norms scale by (1 + w); llama.cpp's converter stores 1 + w (shifted in f32).
+    return tensor - 1.0 if name.endswith("norm.weight") else tensor
+
+
+def _gemma_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+    """What llama.cpp's Gemma code hard-codes rather than reads from the file.
+
+    * the attention scale: 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2,
+      62 for Gemma 3), 1/sqrt(head_dim) otherwise -- HF's query_pre_attn_scalar;
+    * Gemma 3's layer kinds: every 6th layer global unless the file lists them
+      (`attention.sliding_window_pattern`, one bool per layer, true = sliding);
+    * Gemma 3's local RoPE: base 10k (`rope.freq_base_swa` when present), never scaled; the
+      file's rope scaling belongs to the global layers.
+    * `<end_of_turn>` ends a chat turn: an end-of-sequence token next to `<eos>`, as in HF's
+      generation_config.
+    """
+    n_layers = kwargs["num_hidden_layers"]
+    big = n_layers == {"gemma2": 46, "gemma3": 62}[ckpt.architecture]
+    per_head = int(kwargs["hidden_size"]) // int(kwargs["num_attention_heads"])
+    kwargs["query_pre_attn_scalar"] = per_head if big else int(kwargs["head_dim"])
+    kwargs["hidden_activation"] = "gelu_pytorch_tanh"
+    if ckpt.architecture == "gemma3":
+        pattern = ckpt.metadata.get("gemma3.attention.sliding_window_pattern")
+        if isinstance(pattern, np.ndarray | list) and len(pattern) == n_layers:
+            kwargs["layer_types"] = ["sliding_attention" if bool(p) else "full_attention" for p in pattern]
+        else:
+            kwargs["layer_types"] = [
+                "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n_layers)
+            ]
+        local = {"rope_type": "default", "rope_theta": float(ckpt._arch_value("rope.freq_base_swa", 10_000.0))}
+        kwargs["rope_parameters"] = {"full_attention": kwargs["rope_parameters"], "sliding_attention": local}
+    tokens = ckpt.metadata.get("tokenizer.ggml.tokens") or []
+    eos = kwargs.get("eos_token_id")
+    if eos is not None and "<end_of_turn>" in tokens:
+        end_of_turn = tokens.index("<end_of_turn>")
+        kwargs["eos_token_id"] = [eos] if end_of_turn == eos else [eos, end_of_turn]
 
 
 GGUF_ARCHITECTURES: dict[str, GGUFArchSpec] = {
@@ -133,6 +192,17 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchSpec] = {
     # Qwen2 uses llama.cpp's NEOX rope (rotate-half, like HF), so its Q/K rows are untouched.
     "qwen2": GGUFArchSpec(
         "Qwen2Config", "Qwen2ForCausalLM", permute_qk=False, attention_bias_flag=None
+    ),
+    # Gemma uses llama.cpp's NEOX rope, so Q/K rows are untouched; norms are stored as 1 + w.
+    "gemma2": GGUFArchSpec(
+        "Gemma2Config", "Gemma2ForCausalLM", permute_qk=False, config_keys=_GEMMA_CONFIG_KEYS,
+        block_tensors=_GEMMA_BLOCK_TENSORS, tensor_transform=_gemma_norm_weight,
+        config_transform=_gemma_config,
+    ),
+    "gemma3": GGUFArchSpec(
+        "Gemma3TextConfig", "Gemma3ForCausalLM", permute_qk=False, config_keys=_GEMMA_CONFIG_KEYS,
+        block_tensors=_GEMMA_BLOCK_TENSORS, tensor_transform=_gemma_norm_weight,
+        config_transform=_gemma_config,
     ),
 }
 
@@ -295,6 +365,8 @@ class GGUFCheckpoint:
                 kwargs[attr] = int(kwargs[attr])
         if "rms_norm_eps" in kwargs:
             kwargs["rms_norm_eps"] = float(kwargs["rms_norm_eps"])
+        if spec.config_transform is not None:
+            spec.config_transform(self, kwargs)
         config_cls = getattr(transformers, spec.config_class)
         return config_cls(architectures=[spec.hf_architecture], **kwargs)
 

@@ -47,6 +47,12 @@ def resolve_model_source(model: str | None) -> ModelSource:
             hf_config = AutoConfig.from_pretrained(path, trust_remote_code=False)
         except (ValueError, KeyError) as e:
             hf_config = _remote_config(raw, e)
+        text_config = hf_config.get_text_config()
+        if text_config is not hf_config:
+            # A multimodal checkpoint (Gemma3ForConditionalGeneration): the engine serves its
+            # language model, whose sizes live in the text config.
+            text_config.architectures = hf_config.architectures
+            hf_config = text_config
         return ModelSource(path, "safetensors", hf_config)
     if os.path.exists(path):
         raise ValueError(f"model {path!r} is neither a HuggingFace directory nor a .gguf file")

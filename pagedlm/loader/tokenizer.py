@@ -175,13 +175,77 @@ def _transformers_backend(metadata: Mapping[str, Any]) -> Tokenizer:
     return backend
 
 
+# Gemma GGUF files carry no chat template (llama.cpp knows the format by name). This one writes
+# Gemma's turn format: no system role (a system message opens the first user turn), the
+# assistant is "model", content is a string or a list of {"type": "text", "text": ...} parts.
+GEMMA_CHAT_TEMPLATE = (
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content }}"
+    "{%- else -%}{{ content | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') }}"
+    "{%- endif -%}"
+    "{%- endmacro -%}"
+    "{{ bos_token }}"
+    "{%- set system = '' -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set system = text(messages[0]['content']) | trim -%}"
+    "{%- set messages = messages[1:] -%}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message['role'] not in ('user', 'assistant', 'model') -%}"
+    "{{ raise_exception('Gemma chat roles are system (first message only), user and assistant') }}"
+    "{%- endif -%}"
+    "{{ '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' }}"
+    "{%- if loop.first and system -%}{{ system + '\\n\\n' }}{%- endif -%}"
+    "{{ text(message['content']) | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
+
+
+def _gemma_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """The merges transformers' GGUF converter derives for Gemma (which lists none), in one
+    pass: every split of every token into two vocabulary pieces, tokens in vocabulary order
+    (Gemma's merge order; its scores do not follow it), longer left pieces first. Equal to
+    ``generate_merges(vocab, {t: -i})`` without its sorts: 1.4 s instead of 2.1 s on Gemma 3's
+    262k tokens, about a quarter of the tokenizer's build time."""
+    merges: list[tuple[str, str]] = []
+    append = merges.append
+    for token in sorted(vocab, key=vocab.__getitem__):
+        for cut in range(len(token) - 1, 0, -1):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                append((left, right))
+    return merges
+
+
+def _gemma_backend(metadata: Mapping[str, Any]) -> Tokenizer:
+    """Gemma's sentencepiece BPE (byte fallback), as transformers' GGUF converter builds it."""
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import add_gguf_special_tokens
+    from transformers.models.gemma.tokenization_gemma import GemmaTokenizer
+
+    # Tokens made only of spaces are stored with real spaces; the tokenizer spells them "▁".
+    tokens = ["\u2581" * len(t) if " " in t and not t.strip() else t for t in metadata["tokenizer.ggml.tokens"]]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    tokenizer = GemmaTokenizer(vocab=vocab, merges=_gemma_merges(vocab))
+    fields = {"tokenizer_type": "llama", "tokens": tokens,
+              "token_type": [int(t) for t in _token_types(metadata, len(tokens))]}
+    return add_gguf_special_tokens(tokenizer, fields).backend_tokenizer
+
+
 def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedTokenizerFast:
     """Build a fast tokenizer from parsed GGUF metadata (see ``GGUFCheckpoint.metadata``)."""
     if "tokenizer.ggml.tokens" not in metadata:
         raise ValueError("This GGUF file has no tokenizer (no tokenizer.ggml.tokens)")
     kind = metadata.get("tokenizer.ggml.model")
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-    backend = _byte_level_backend(metadata) if kind == "gpt2" else _transformers_backend(metadata)
+    architecture = str(metadata.get("general.architecture", ""))
+    if kind == "gpt2":
+        backend = _byte_level_backend(metadata)
+    elif kind == "llama" and architecture in _GEMMA_ARCHITECTURES:
+        backend = _gemma_backend(metadata)
+    else:
+        backend = _transformers_backend(metadata)
 
     def token(key: str) -> str | None:
         index = metadata.get(f"tokenizer.ggml.{key}")
@@ -205,6 +269,8 @@ def tokenizer_from_gguf_metadata(metadata: Mapping[str, Any]) -> PreTrainedToken
     if context is not None:
         kwargs["model_max_length"] = int(context)
     template = metadata.get("tokenizer.chat_template")
+    if template is None and architecture in _GEMMA_ARCHITECTURES:
+        template = GEMMA_CHAT_TEMPLATE
     if template is not None:
         kwargs["chat_template"] = str(template)
     return _wrap_backend(backend, {k: v for k, v in kwargs.items() if v is not None})
