@@ -32,6 +32,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -52,6 +53,10 @@ class EngineArgs:
         object.__setattr__(self, "dtype", dtype)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        kv_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        object.__setattr__(self, "kv_cache_dtype", kv_dtype)
+        if kv_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:

@@ -109,6 +109,10 @@ class LLMEngine:
         self.model_path = source.path
         self.hf_config = source.hf_config
         self.dtype = _resolve_dtype(args.dtype, self.hf_config, self.device)
+        # The KV cache may be stored narrower than the model computes (llama.cpp's default
+        # is a float16 cache): half the memory and half the bytes each decode reads.
+        self.kv_cache_dtype = (self.dtype if args.kv_cache_dtype == "auto"
+                               else _TORCH_DTYPES[args.kv_cache_dtype])
         model_max_len = _model_max_len(self.hf_config)
         if args.max_model_len is not None and args.max_model_len > model_max_len:
             raise ValueError(
@@ -137,7 +141,8 @@ class LLMEngine:
         # request are freed as it advances (Mistral; Gemma's local/global mix only masks).
         sliding_window = _uniform_sliding_window(attn_layers)
         block_size = args.block_size
-        block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim, self.dtype)
+        block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim,
+                                      self.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.device, block_size, self.vocab_size)
 
         max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
@@ -169,7 +174,8 @@ class LLMEngine:
             self.max_model_len = min(model_max_len, capacity)
 
         self.runner.bind_kv_cache(allocate_kv_cache(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.dtype, self.device))
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.kv_cache_dtype,
+            self.device))
         # Decode steps replay CUDA graphs unless told not to, or the backend plans from
         # per-step host values a graph would freeze (the torch backend's length buckets).
         self.cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
@@ -218,7 +224,7 @@ class LLMEngine:
         num_reqs = -(-max_batched // per_req)
         blocks_per_req = -(-per_req // block_size)
         caches = allocate_kv_cache(num_layers, num_reqs * blocks_per_req, block_size, num_kv_heads,
-                                   head_dim, self.dtype, self.device)
+                                   head_dim, self.kv_cache_dtype, self.device)
         self.runner.bind_kv_cache(caches)
         sched = SchedulerOutput()
         for i in range(num_reqs):

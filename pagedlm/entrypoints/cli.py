@@ -42,6 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32"],
+                   help="KV cache storage type (auto: the model dtype)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],
@@ -58,6 +61,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_threads=args.num_threads, attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
