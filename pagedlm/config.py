@@ -33,6 +33,8 @@ class EngineArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16
+    # float16: linear weights stored in float16, multiplied in float32 (CPU, fbgemm)
+    weight_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -57,6 +59,10 @@ class EngineArgs:
         object.__setattr__(self, "kv_cache_dtype", kv_dtype)
         if kv_dtype not in DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        weight_dtype = DTYPE_ALIASES.get(self.weight_dtype, self.weight_dtype)
+        object.__setattr__(self, "weight_dtype", weight_dtype)
+        if weight_dtype not in ("auto", "float16"):
+            raise ValueError(f"weight_dtype must be 'auto' or 'float16', got {self.weight_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:

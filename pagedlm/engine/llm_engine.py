@@ -128,6 +128,13 @@ class LLMEngine:
         # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
         self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
                                  self.device, args.load_format, args.seed)
+        if args.weight_dtype == "float16":
+            from pagedlm.layers.fp16_weights import pack_weights_fp16
+
+            if self.device.type != "cpu" or self.dtype != torch.float32:
+                raise ValueError("weight_dtype='float16' is for float32 models on CPU; on GPUs "
+                                 "set dtype='float16' instead")
+            pack_weights_fp16(self.model)
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         # The cache geometry comes from the model's own attention layers: config names for
@@ -207,9 +214,11 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0
         logger.info(
             "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
-            "max_model_len %d, attention %s, loaded in %.1f s",
+            "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-            block_size, capacity, self.max_model_len, self.attention_backend, self.load_time_s,
+            block_size, capacity, self.max_model_len, self.attention_backend,
+            "float16" if args.weight_dtype == "float16" else str(self.dtype).removeprefix("torch."),
+            str(self.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
         )
 
     def _profile_cuda_blocks(self, block_bytes, max_batched, model_max_len, num_layers,

@@ -45,6 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32"],
                    help="KV cache storage type (auto: the model dtype)")
+    g.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "half", "fp16"],
+                   help="float16: linear weights stored in float16 and multiplied in float32 "
+                        "(CPU; about 2x faster small-batch decode)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],
@@ -61,7 +64,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_threads=args.num_threads, attention_backend=args.attention_backend,
-        kv_cache_dtype=args.kv_cache_dtype,
+        kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
     )
 
 

@@ -46,8 +46,12 @@ class ParallelLMHead(VocabParallelEmbedding):
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Replaced per instance when weights are packed (layers/fp16_weights.py)."""
+        return F.linear(x, self.weight, bias)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight)  # [num_tokens, shard_size]
+        logits = self.matmul(hidden_states, None)  # [num_tokens, shard_size]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

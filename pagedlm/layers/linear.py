@@ -42,6 +42,11 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias). Replaced per instance when weights are packed in another
+        format (layers/fp16_weights.py)."""
+        return F.linear(x, self.weight, bias)
+
     @staticmethod
     def _copy(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
         if param.shape != loaded.shape:
@@ -55,7 +60,7 @@ class LinearBase(nn.Module):
         self._copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -77,7 +82,7 @@ class ColumnParallelLinear(LinearBase):
         self._copy(param, loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -144,5 +149,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The bias is added once, after the reduction.
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(self.matmul(x, None))
         return y + self.bias if self.bias is not None else y

@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.attention.metadata import AttentionMetadata
@@ -41,7 +40,7 @@ class ParallelLMHeadWithBias(ParallelLMHead):
         param.data[shard.shape[0] :].zero_()
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden_states, self.weight, self.bias)  # [num_tokens, shard_size]
+        logits = self.matmul(hidden_states, self.bias)  # [num_tokens, shard_size]
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

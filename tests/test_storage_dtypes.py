@@ -1,4 +1,4 @@
-"""A KV cache stored narrower than the model computes (kv_cache_dtype)."""
+"""Storage narrower than the compute: kv_cache_dtype and weight_dtype (CPU)."""
 
 import pytest
 
@@ -44,3 +44,47 @@ def test_float16_cache_close_to_float32_and_twice_the_blocks(tiny_llama_dir):
 def test_rejects_unknown_kv_cache_dtype():
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
         LLM(load_format="dummy", kv_cache_dtype="int4")
+
+
+def test_float16_weights_close_to_float32(tiny_llama_dir):
+    """weight_dtype='float16': every linear layer and the LM head packed for fbgemm's fp16
+    GEMM; results within float16 rounding of the weights, greedy tokens unchanged here."""
+    pytest.importorskip("torch")
+    from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
+
+    if not fp16_weights_supported():
+        pytest.skip("no fbgemm")
+    llm32, outs32 = _generate(tiny_llama_dir)
+    llm16, outs16 = _generate(tiny_llama_dir, weight_dtype="float16")
+    model = llm16.llm_engine.model
+    packed = [m for m in model.modules() if isinstance(m.__dict__.get("matmul"), Fp16WeightMatmul)]
+    num_layers = len(model.model.layers)
+    assert len(packed) == 4 * num_layers + 1  # qkv, o, gate_up, down per layer + LM head
+    for a, b in zip(outs32, outs16):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pos in range(1, len(a.prompt_token_ids)):
+            tok = a.prompt_token_ids[pos]
+            assert b.prompt_logprobs[pos][tok].logprob == pytest.approx(
+                a.prompt_logprobs[pos][tok].logprob, abs=2e-3)
+
+
+def test_fp16_weight_matmul_matches_rounded_weights():
+    import torch
+
+    from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
+
+    if not fp16_weights_supported():
+        pytest.skip("no fbgemm")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 24, generator=g)
+    bias = torch.randn(40, generator=g)
+    mm = Fp16WeightMatmul(w)
+    for rows in (1, 3, 17):
+        x = torch.randn(2, rows, 24, generator=g)
+        ref = torch.nn.functional.linear(x, w.half().float(), bias)
+        torch.testing.assert_close(mm(x, bias), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_float16_weights_rejected_off_cpu_float32(tiny_llama_dir):
+    with pytest.raises(ValueError, match="weight_dtype"):
+        LLM(tiny_llama_dir, skip_tokenizer_init=True, dtype="bfloat16", weight_dtype="float16")
