@@ -27,7 +27,7 @@ def check_header(report: dict, benchmark: str, dataset: str, num_prompts: int) -
     assert report["seed"] == 0
     assert report["dtype"] in ("float32", None)
     assert {"cpu_model", "cpu_cores", "usable_cores", "threads"} <= set(report["machine"])
-    assert set(report["versions"]) == {"pagedlm", "torch", "transformers"}
+    assert set(report["versions"]) == {"pagedlm", "torch", "transformers", "llama-cpp-python"}
     assert report["versions"]["torch"]
 
 
@@ -39,7 +39,7 @@ def test_throughput_pagedlm_random(tiny_llama_dir: str, tmp_path: Path) -> None:
     assert rc == 0
     report = read(out)
     check_header(report, "throughput", "random", 4)
-    assert report["model"] == tiny_llama_dir and report["backend"] == "pagedlm"
+    assert report["model"] == tiny_llama_dir and report["backends"] == ["pagedlm"]
     assert report["ignore_eos"] is True
     r = report["results"]["pagedlm"]
     assert r["num_requests"] == 4

@@ -108,7 +108,7 @@ def test_serving_random_token_ids(server_url: str, tiny_smol_dir: str, tmp_path:
     assert report["model"] == "tiny"  # found through /v1/models
     assert report["request_rate"] == 50 and report["max_concurrency"] == 4
     assert report["num_prompts"] == 6 and report["seed"] == 0
-    assert set(report["versions"]) == {"pagedlm", "torch", "transformers"}
+    assert set(report["versions"]) == {"pagedlm", "torch", "transformers", "llama-cpp-python"}
     m = report["results"]
     assert m["completed"] == 6 and m["failed"] == 0 and m["errors"] == {}
     assert m["total_input_tokens"] == 6 * 24

@@ -1,6 +1,6 @@
 """`pagedlm bench ...`: argument parsing and the shared dataset options.
 
-    pagedlm bench throughput [MODEL]   offline throughput (pagedlm or the HF baseline)
+    pagedlm bench throughput [MODEL]   offline throughput of pagedlm and the baselines
     pagedlm bench serving              an OpenAI-compatible server under Poisson load
     pagedlm bench latency [MODEL]      one batch, end to end and per decode step
     pagedlm bench kv-waste [MODEL]     KV slots allocated but not holding a token
@@ -144,16 +144,36 @@ def add_bench_parser(subparsers: Any) -> None:
     tp = sub.add_parser("throughput", help="offline throughput: requests/s and tokens/s")
     add_engine_args(tp)
     add_dataset_args(tp, "sharegpt", 200, with_seed=False)  # --seed is an engine flag
-    tp.add_argument("--backend", default="pagedlm", choices=["pagedlm", "hf"],
-                    help="pagedlm, or hf: HF transformers with static batching")
+    tp.add_argument("--backend", "--backends", dest="backend", nargs="+", default=["pagedlm"],
+                    choices=["pagedlm", "hf", "hf-cb", "llama-cpp-python"],
+                    help="engines to run, one after the other, on the same requests: pagedlm; "
+                         "hf: HF transformers static batching; hf-cb: HF transformers "
+                         "continuous batching; llama-cpp-python: llama.cpp on the same GGUF, one "
+                         "request at a time (default: pagedlm)")
     tp.add_argument("--hf-max-batch-size", type=int, nargs="+", default=[16],
                     help="hf: static batch size; several are each run and the best reported")
+    tp.add_argument("--hf-cb-attn", default="sdpa", choices=["sdpa", "paged|eager"],
+                    help="hf-cb: attention implementation (flash does not run on CPU)")
+    tp.add_argument("--hf-cb-max-batch-tokens", type=int, default=512,
+                    help="hf-cb: most tokens per step (transformers' default, 8192, makes "
+                         "huge prefill steps on CPU; default %(default)s)")
+    tp.add_argument("--hf-cb-page-size", type=int, default=64,
+                    help="hf-cb: tokens per KV page (default %(default)s)")
+    tp.add_argument("--hf-cb-num-blocks", type=int, default=None,
+                    help="hf-cb: KV blocks (default: enough for every request at once; "
+                         "transformers' own default takes 90%% of the host RAM)")
+    tp.add_argument("--hf-cb-max-requests-per-batch", type=int, default=None,
+                    help="hf-cb: most requests in one step (default: transformers' choice); "
+                         "its attention work per decode step grows with the square of this")
+    tp.add_argument("--llama-cpp-n-ctx", type=int, default=None,
+                    help="llama-cpp-python: context size (default: the longest request, "
+                         "rounded up to 256)")
     tp.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                     help="generate exactly each request's output length (default on)")
     tp.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
                     default=None, help="pagedlm: override the engine's default (on)")
     tp.add_argument("--label", default=None, help="name of this run in the JSON and plots "
-                                                  "(default: the backend)")
+                                                  "(one backend only; default: the backend)")
     tp.add_argument("--output-json", default=None, help="write the result here")
     tp.add_argument("--disable-tqdm", action="store_true")
     tp.set_defaults(func=_cmd("throughput"))
@@ -172,12 +192,20 @@ def add_bench_parser(subparsers: Any) -> None:
     sv.add_argument("--max-concurrency", type=int, default=None,
                     help="most requests in flight at once (default: no limit)")
     sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--top-p", type=float, default=None, help="sent when given")
+    sv.add_argument("--top-k", type=int, default=None, help="sent when given (0: off)")
+    sv.add_argument("--min-p", type=float, default=None, help="sent when given")
     sv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=False,
                     help="ask the server to generate every request's full length")
     sv.add_argument("--percentiles", type=_percentiles, default=[50.0, 90.0, 99.0],
                     help="comma-separated latency percentiles (default 50,90,99)")
     sv.add_argument("--request-timeout", type=float, default=3600.0, help="seconds per request")
     sv.add_argument("--label", default=None, help="name of this run in plots")
+    sv.add_argument("--dtype", default=None,
+                    help="what the server computes in, recorded in the result as given")
+    sv.add_argument("--server-info", default=None, metavar="JSON",
+                    help="a JSON file describing the server (engine, version, flags), copied "
+                         "into the result as 'server'")
     sv.add_argument("--output-json", default=None)
     sv.add_argument("--disable-tqdm", action="store_true")
     add_dataset_args(sv, "sharegpt", 200, with_seed=True)

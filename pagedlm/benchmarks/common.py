@@ -52,9 +52,10 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
 
 
 def versions() -> dict[str, str | None]:
-    """Installed versions of pagedlm, torch and transformers (None if not installed)."""
+    """Installed versions of pagedlm, torch, transformers and llama-cpp-python (None if
+    not installed)."""
     out: dict[str, str | None] = {}
-    for dist in ("pagedlm", "torch", "transformers"):
+    for dist in ("pagedlm", "torch", "transformers", "llama-cpp-python"):
         try:
             out[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

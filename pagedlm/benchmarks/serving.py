@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from pagedlm.benchmarks.common import result_header, write_json
+from pagedlm.benchmarks.common import read_json, result_header, write_json
 from pagedlm.benchmarks.datasets import SampleRequest
 from pagedlm.benchmarks.metrics import RequestRecord, compute_serving_metrics
 
@@ -105,6 +105,7 @@ async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
     model = args.model or (await list_models(args.base_url, args.api_key))[0]
     async with CompletionsClient(args.base_url, model, api_key=args.api_key,
                                  ignore_eos=args.ignore_eos, temperature=args.temperature,
+                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                                  timeout_s=args.request_timeout,
                                  max_connections=args.max_concurrency) as client:
         # One short request first, so a wrong URL, model or key fails with its reason
@@ -142,18 +143,22 @@ def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench serving`; returns the exit status."""
     from pagedlm.benchmarks.cli import build_requests, dataset_info
 
+    server = read_json(args.server_info) if args.server_info else None
     tokenizer = _tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer, len(tokenizer))
     model, records, duration = asyncio.run(_benchmark(args, requests))
     metrics = compute_serving_metrics(records, duration, args.percentiles)
     print(format_report(metrics))
     report = result_header(
-        "serving", model=model, dtype=None, dataset=args.dataset, num_prompts=len(requests),
+        "serving", model=model, dtype=args.dtype, dataset=args.dataset, num_prompts=len(requests),
         seed=args.seed, threads=None, base_url=args.base_url,
         label=args.label or model, request_rate=args.request_rate,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos,
-        temperature=args.temperature, dataset_info=dataset_info(args),
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        dataset_info=dataset_info(args),
     )
+    if server is not None:
+        report["server"] = server
     report["results"] = metrics
     if args.output_json:
         print(f"wrote {write_json(args.output_json, report)}")

@@ -1,4 +1,13 @@
-"""`pagedlm bench throughput`: offline throughput of pagedlm or the HF static-batching baseline.
+"""`pagedlm bench throughput`: offline throughput of pagedlm and its baselines.
+
+``--backend`` names one or more engines; they run one after the other on the very same
+requests (sampled once, with pagedlm's tokenizer) and model file, and the result JSON holds
+one entry per engine:
+
+    pagedlm            this engine
+    hf                 HF transformers ``generate`` with static batches (hf_baseline.py)
+    hf-cb              HF transformers continuous batching (hf_cb_baseline.py)
+    llama-cpp-python   llama.cpp on the same GGUF, one request at a time (llamacpp_baseline.py)
 
 Every request is submitted at once; only generation is timed (model loading is reported
 separately as ``load_s``).  Sampling is temperature 1, top-p 1 and, by default, EOS is
@@ -175,6 +184,133 @@ def run_hf(hf_model: Any, tokenizer: Any | None, requests: Sequence[SampleReques
 
 # --- the command ---------------------------------------------------------------------------
 
+BACKENDS = ("pagedlm", "hf", "hf-cb", "llama-cpp-python")
+
+
+class Workload:
+    """The requests every backend of one run gets: sampled once, by the first backend that
+    needs them, with pagedlm's tokenizer (ShareGPT) or the model's vocabulary (synthetic)."""
+
+    def __init__(self, args: argparse.Namespace, model: str | None) -> None:
+        self.args = args
+        self.model = model
+        self.requests: list[SampleRequest] | None = None
+        self._tokenizer: Any = None
+
+    def tokenizer(self) -> Any | None:
+        """pagedlm's tokenizer for the model (None with --skip-tokenizer-init)."""
+        if self._tokenizer is None and not self.args.skip_tokenizer_init:
+            from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+
+            self._tokenizer = load_tokenizer_for(resolve_model_source(self.model),
+                                                 self.args.tokenizer)
+        return self._tokenizer
+
+    def get(self, vocab_size: int | None, tokenizer: Any | None = None) -> list[SampleRequest]:
+        if self.requests is None:
+            from pagedlm.benchmarks.cli import build_requests
+
+            if tokenizer is not None:
+                self._tokenizer = tokenizer
+            elif self.args.dataset == "sharegpt":
+                tokenizer = self.tokenizer()
+            self.requests = build_requests(self.args, tokenizer, vocab_size)
+        return self.requests
+
+    def prompt_ids(self) -> list[list[int]]:
+        """Every request's prompt as token ids: its own, or pagedlm's tokenization of its
+        text (the ids whose count is ``prompt_len``)."""
+        assert self.requests is not None
+        ids = []
+        for r in self.requests:
+            if r.prompt_token_ids is not None:
+                ids.append(list(r.prompt_token_ids))
+                continue
+            encoded = self.tokenizer()(r.prompt)
+            row = list(encoded["input_ids"] if isinstance(encoded, dict) else encoded.input_ids)
+            assert len(row) == r.prompt_len, (len(row), r.prompt_len)
+            ids.append(row)
+        return ids
+
+
+def _run_pagedlm_backend(args: argparse.Namespace, kwargs: dict[str, Any],
+                         work: Workload) -> dict[str, Any]:
+    from pagedlm import LLM
+
+    if args.enable_prefix_caching is not None:
+        kwargs = {**kwargs, "enable_prefix_caching": args.enable_prefix_caching}
+    start = time.perf_counter()
+    llm = LLM(**kwargs)
+    load_s = time.perf_counter() - start
+    engine = llm.llm_engine
+    requests = work.get(engine.vocab_size, llm.get_tokenizer())
+    result = run_pagedlm(llm, requests, args.ignore_eos, not args.disable_tqdm)
+    result.update(load_s=load_s, dtype=str(engine.dtype).removeprefix("torch."),
+                  engine_args={k: v for k, v in kwargs.items() if k != "model"},
+                  max_model_len=engine.max_model_len)
+    return result
+
+
+class _HFModel:
+    """The HF model, loaded once for both HF baselines of a run."""
+
+    def __init__(self, model: str | None, dtype: str) -> None:
+        self.model, self.load_s = load_hf(model, dtype)
+
+
+def _run_hf_backend(args: argparse.Namespace, hf: _HFModel, work: Workload) -> dict[str, Any]:
+    requests = work.get(hf.model.config.vocab_size)
+    hf_tokenizer = (load_hf_text_tokenizer(args.tokenizer or work.model)
+                    if requests[0].prompt_token_ids is None else None)
+    result = run_hf(hf.model, hf_tokenizer, requests, args.hf_max_batch_size,
+                    args.num_threads, not args.disable_tqdm)
+    result.update(load_s=hf.load_s, dtype=str(hf.model.dtype).removeprefix("torch."),
+                  hf_max_batch_sizes=list(args.hf_max_batch_size))
+    return result
+
+
+def _run_hf_cb_backend(args: argparse.Namespace, hf: _HFModel, work: Workload
+                       ) -> dict[str, Any]:
+    from pagedlm.benchmarks.hf_cb_baseline import HFCBConfig, run_hf_cb
+
+    config = HFCBConfig(attn_implementation=args.hf_cb_attn, page_size=args.hf_cb_page_size,
+                        num_blocks=args.hf_cb_num_blocks,
+                        max_batch_tokens=args.hf_cb_max_batch_tokens,
+                        max_requests_per_batch=args.hf_cb_max_requests_per_batch)
+    requests = work.get(hf.model.config.vocab_size)
+    result = run_hf_cb(hf.model, work.prompt_ids(), requests, config, args.ignore_eos,
+                       args.num_threads, args.seed, not args.disable_tqdm)
+    result.update(load_s=hf.load_s, dtype=str(hf.model.dtype).removeprefix("torch."))
+    return result
+
+
+def _run_llama_cpp_backend(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
+    import torch
+
+    from pagedlm.benchmarks.llamacpp_baseline import llama_cpp_info, load_llama, run_llama_cpp
+    from pagedlm.loader.gguf_loader import default_model_path
+
+    path = work.model if work.model is not None else str(default_model_path())
+    threads = args.num_threads or torch.get_num_threads()
+    requests = work.requests
+    if requests is None:
+        from pagedlm.loader.gguf_loader import GGUFCheckpoint
+
+        synthetic = args.dataset != "sharegpt"
+        requests = work.get(GGUFCheckpoint(path).config.vocab_size if synthetic else None)
+    # The context holds the longest request, rounded up.
+    n_ctx = args.llama_cpp_n_ctx or -(-max(r.prompt_len + r.output_len for r in requests)
+                                      // 256) * 256
+    llm, load_s = load_llama(path, n_ctx, threads, seed=args.seed)
+    try:
+        result = run_llama_cpp(llm, work.prompt_ids(), requests, args.ignore_eos,
+                               not args.disable_tqdm)
+        result.update(load_s=load_s, dtype="gguf (llama.cpp kernels on the file's own types)",
+                      n_ctx=n_ctx, n_threads=threads, **llama_cpp_info(llm))
+    finally:
+        llm.close()
+    return result
+
 
 def _print_summary(name: str, r: dict[str, Any]) -> None:
     print(f"{name}: {r['elapsed_s']:.2f} s, {r['requests_per_s']:.2f} requests/s, "
@@ -186,61 +322,51 @@ def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench throughput`; returns the exit status."""
     import torch
 
-    from pagedlm.benchmarks.cli import build_requests, dataset_info
+    from pagedlm.benchmarks.cli import dataset_info
     from pagedlm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
     model = kwargs["model"]
+    backends = list(dict.fromkeys(args.backend))
     if any(b < 1 for b in args.hf_max_batch_size):
         raise ValueError(f"--hf-max-batch-size values must be >= 1, got {args.hf_max_batch_size}")
-    use_tqdm = not args.disable_tqdm
-    label = args.label or args.backend
+    if args.label and len(backends) > 1:
+        raise ValueError("--label names one backend's run; with several --backend values "
+                         "each run is named after its backend")
+    if "llama-cpp-python" in backends and not _is_gguf(model):
+        raise ValueError(f"the llama-cpp-python backend needs a .gguf model, got {model!r}")
+    if args.skip_tokenizer_init and args.dataset == "sharegpt":
+        raise ValueError("the sharegpt dataset counts tokens with a tokenizer; drop "
+                         "--skip-tokenizer-init or use --dataset random")
+    work = Workload(args, model)
+    hf: _HFModel | None = None
+    results: dict[str, dict[str, Any]] = {}
+    for i, backend in enumerate(backends):
+        if backend == "pagedlm":
+            result = _run_pagedlm_backend(args, kwargs, work)
+        elif backend == "llama-cpp-python":
+            result = _run_llama_cpp_backend(args, work)
+        else:
+            if hf is None:
+                hf = _HFModel(model, args.dtype)
+            runner = _run_hf_backend if backend == "hf" else _run_hf_cb_backend
+            result = runner(args, hf, work)
+        if not {"hf", "hf-cb"} & set(backends[i + 1:]):
+            hf = None  # free the HF model once no later backend needs it
+        gc.collect()
+        label = args.label or backend
+        results[label] = result
+        _print_summary(label, result)
 
-    if args.backend == "pagedlm":
-        from pagedlm import LLM
-
-        if args.enable_prefix_caching is not None:
-            kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-        start = time.perf_counter()
-        llm = LLM(**kwargs)
-        load_s = time.perf_counter() - start
-        engine = llm.llm_engine
-        requests = build_requests(args, llm.get_tokenizer(), engine.vocab_size)
-        result = run_pagedlm(llm, requests, args.ignore_eos, use_tqdm)
-        dtype = str(engine.dtype).removeprefix("torch.")
-        extra: dict[str, Any] = {"engine_args": {k: v for k, v in kwargs.items() if k != "model"},
-                                 "max_model_len": engine.max_model_len}
-        del llm, engine
-    else:
-        from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
-
-        if args.skip_tokenizer_init and args.dataset == "sharegpt":
-            raise ValueError("the sharegpt dataset counts tokens with a tokenizer; drop "
-                             "--skip-tokenizer-init or use --dataset random")
-        need_text = args.dataset == "sharegpt"
-        hf_model, load_s = load_hf(model, args.dtype)
-        hf_tokenizer = load_hf_text_tokenizer(args.tokenizer or model) if need_text else None
-        # Sample with pagedlm's tokenizer so both backends get the very same requests.
-        sampler = None
-        if need_text:
-            sampler = load_tokenizer_for(resolve_model_source(model), args.tokenizer)
-        requests = build_requests(args, sampler, hf_model.config.vocab_size)
-        result = run_hf(hf_model, hf_tokenizer, requests, args.hf_max_batch_size,
-                        args.num_threads, use_tqdm)
-        dtype = str(hf_model.dtype).removeprefix("torch.")
-        extra = {"hf_max_batch_sizes": list(args.hf_max_batch_size)}
-        del hf_model
-    gc.collect()
-    result["load_s"] = load_s
-    _print_summary(label, result)
-
+    assert work.requests is not None
+    first = next(iter(results.values()))
     report = result_header(
-        "throughput", model=model_label(model), dtype=dtype, dataset=args.dataset,
-        num_prompts=len(requests), seed=args.seed, threads=torch.get_num_threads(),
-        backend=args.backend, label=label, ignore_eos=args.ignore_eos,
-        dataset_info=dataset_info(args), **extra,
+        "throughput", model=model_label(model), dtype=first["dtype"], dataset=args.dataset,
+        num_prompts=len(work.requests), seed=args.seed, threads=torch.get_num_threads(),
+        backends=backends, label=args.label, ignore_eos=args.ignore_eos,
+        dataset_info=dataset_info(args),
     )
-    report["results"] = {label: result}
+    report["results"] = results
     if args.output_json:
         print(f"wrote {write_json(args.output_json, report)}")
     return 0

@@ -51,6 +51,8 @@ class CompletionsClient:
 
     def __init__(self, base_url: str, model: str, *, api_key: str | None = None,
                  ignore_eos: bool = True, temperature: float = 0.0,
+                 top_p: float | None = None, top_k: int | None = None,
+                 min_p: float | None = None,
                  timeout_s: float = 3600.0, max_connections: int | None = None) -> None:
         base = base_url.rstrip("/")
         if not base.startswith(("http://", "https://")):
@@ -59,6 +61,10 @@ class CompletionsClient:
         self.model = model
         self.ignore_eos = ignore_eos
         self.temperature = temperature
+        # Sent only when set: a server's own defaults differ (llama-server: top-k 40,
+        # top-p 0.95, min-p 0.05), so a like-for-like run pins them.
+        self.sampling = {k: v for k, v in (("top_p", top_p), ("top_k", top_k), ("min_p", min_p))
+                         if v is not None}
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         # No pool limit by default: a connection pool that queues requests would add its
         # own wait to the measured time to first token.
@@ -84,9 +90,10 @@ class CompletionsClient:
             "temperature": self.temperature,
             "stream": True,
             "stream_options": {"include_usage": True},
+            **self.sampling,
         }
         if self.ignore_eos:
-            body["ignore_eos"] = True  # vLLM's extension, also understood by pagedlm
+            body["ignore_eos"] = True  # vLLM's extension, understood by pagedlm and llama-server
         return body
 
     async def send(self, request: SampleRequest) -> RequestRecord:
@@ -118,7 +125,9 @@ class CompletionsClient:
         except httpx.HTTPError as e:
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
-        # Without a usage chunk (a server ignoring stream_options), count one token a chunk.
+        # Without a usage chunk (a server ignoring stream_options), count one token a chunk;
+        # a chunk may carry several tokens (llama-server holds back partial UTF-8), so the
+        # usage count is the one to trust.
         output_tokens = int(usage.get("completion_tokens") or len(chunk_times))
         prompt_len = int(usage.get("prompt_tokens") or request.prompt_len)
         return RequestRecord(start, tuple(chunk_times), end, prompt_len, output_tokens,
