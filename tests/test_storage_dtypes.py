@@ -49,7 +49,6 @@ def test_rejects_unknown_kv_cache_dtype():
 def test_float16_weights_close_to_float32(tiny_llama_dir):
     """weight_dtype='float16': every linear layer and the LM head packed for fbgemm's fp16
     GEMM; results within float16 rounding of the weights, greedy tokens unchanged here."""
-    pytest.importorskip("torch")
     from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
 
     if not fp16_weights_supported():

@@ -15,7 +15,7 @@ import torch
 
 from pagedlm.attention.cpu_kernels import load_cpu_kernels, paged_decode_attention
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.attention.torch_paged import TorchPagedAttention, write_kv_cache
+from pagedlm.attention.torch_paged import TorchPagedAttention
 
 
 def cpu_kernels_available() -> bool:
@@ -29,35 +29,24 @@ class CpuPagedAttention(TorchPagedAttention):
         if not cpu_kernels_available():
             raise ImportError("the C++ CPU attention kernels could not be built (see the log)")
 
-    def forward(
+    def _decodes(
         self,
         query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
         meta: AttentionMetadata,
         scale: float,
-        *,
-        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        opts = (alibi_slopes, sliding_window, logits_soft_cap)
-        if query.device.type != "cpu" or meta.num_decodes == 0:
-            return super().forward(query, key, value, k_cache, v_cache, meta, scale,
-                                   alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap)
-        if query.shape[1] % key.shape[1] != 0:
-            raise ValueError(f"num_heads={query.shape[1]} is not a multiple of num_kv_heads={key.shape[1]}")
-        write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows :num_decodes written
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> None:
+        if query.device.type != "cpu":
+            super()._decodes(query, k_cache, v_cache, meta, scale, out, alibi_slopes,
+                             sliding_window, logits_soft_cap)
+            return
         num_decodes = meta.num_decodes
-        out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         out[:num_decodes] = paged_decode_attention(
             query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-            meta.seq_lens_cpu[:num_decodes], scale, *opts,
+            meta.seq_lens_cpu[:num_decodes], scale, alibi_slopes, sliding_window, logits_soft_cap,
         )
-        for r in range(num_decodes, meta.num_seqs):
-            start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, *opts)
-        return out

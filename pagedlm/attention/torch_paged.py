@@ -147,22 +147,37 @@ class TorchPagedAttention:
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
         opts = (alibi_slopes, sliding_window, logits_soft_cap)
         if meta.num_decodes > 0:
-            # Layers with different windows (Gemma's local/global mix) share one step.
-            cache_key = "decode_groups" if sliding_window is None else ("decode_groups", sliding_window)
-            groups = meta.backend_cache.get(cache_key)
-            if groups is None:
-                lens = meta.seq_lens_cpu[: meta.num_decodes]
-                if sliding_window is not None:
-                    lens = [min(n, sliding_window) for n in lens]
-                groups = decode_groups(lens)
-                meta.backend_cache[cache_key] = groups
-            for start, end, max_len in groups:
-                out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len,
-                                              *opts)
+            self._decodes(query, k_cache, v_cache, meta, scale, out, *opts)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
             out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, *opts)
         return out
+
+    def _decodes(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows :num_decodes written
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> None:
+        """All decode rows of the step, in length buckets (see `decode_groups`)."""
+        # Layers with different windows (Gemma's local/global mix) share one step.
+        cache_key = "decode_groups" if sliding_window is None else ("decode_groups", sliding_window)
+        groups = meta.backend_cache.get(cache_key)
+        if groups is None:
+            lens = meta.seq_lens_cpu[: meta.num_decodes]
+            if sliding_window is not None:
+                lens = [min(n, sliding_window) for n in lens]
+            groups = decode_groups(lens)
+            meta.backend_cache[cache_key] = groups
+        for start, end, max_len in groups:
+            out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len,
+                                          alibi_slopes, sliding_window, logits_soft_cap)
 
     def _decode(
         self,
