@@ -1,57 +1,17 @@
-"""The C++ CPU kernels in `pagedlm/csrc`, compiled on first use and cached.
-
-The build uses torch's extension builder (a C++ compiler and ninja), once per source
-version and CPU; later processes load the cached library in well under a second. Where no
-compiler is available `load_cpu_kernels()` returns None and the caller falls back to the
-pure-torch path, with a warning that says why.
-"""
+"""Python entry points of the C++ CPU attention kernels (pagedlm/csrc/paged_attention_cpu.cpp)."""
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import logging
-import os
-from pathlib import Path
+from types import ModuleType
 
 import torch
 
-logger = logging.getLogger(__name__)
-
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention_cpu.cpp"
-DISABLE_ENV = "PAGEDLM_DISABLE_CPU_KERNELS"
+from pagedlm.csrc import load_extension
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: the library is built with -march=native,
-    so a cache directory shared between different machines must not mix their builds."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
-
-
-@functools.cache
-def load_cpu_kernels():
-    """The compiled extension module, or None if it is disabled or cannot be built."""
-    if os.environ.get(DISABLE_ENV):
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name=f"pagedlm_cpu_attention_{_cpu_tag()}",
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as e:  # no compiler, no ninja, a read-only cache, ...
-        logger.warning("CPU attention kernels unavailable (%s: %s); using the torch path",
-                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-        return None
+def load_cpu_kernels() -> ModuleType | None:
+    """The compiled attention kernels, or None if disabled or they cannot be built."""
+    return load_extension("paged_attention_cpu")
 
 
 def paged_decode_attention(

@@ -1,0 +1,55 @@
+"""The C++ CPU kernels in this directory, each compiled on first use and cached.
+
+Every ``<stem>.cpp`` here is its own extension module. The build uses torch's extension
+builder (a C++ compiler and ninja), once per source version and CPU; later processes
+load the cached library in well under a second. Where no compiler is available
+:func:`load_extension` returns None and the caller falls back to its pure-torch path,
+with a warning that says why. ``PAGEDLM_DISABLE_CPU_KERNELS=1`` turns every kernel off.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+CSRC_DIR = Path(__file__).resolve().parent
+DISABLE_ENV = "PAGEDLM_DISABLE_CPU_KERNELS"
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: the libraries are built with -march=native,
+    so a cache directory shared between different machines must not mix their builds."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+
+
+@functools.cache
+def load_extension(stem: str) -> ModuleType | None:
+    """The compiled module of ``csrc/<stem>.cpp``, or None if disabled or unbuildable."""
+    if os.environ.get(DISABLE_ENV):
+        return None
+    source = CSRC_DIR / f"{stem}.cpp"
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=f"pagedlm_{stem}_{_cpu_tag()}",
+            sources=[str(source)],
+            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a read-only cache, ...
+        logger.warning("CPU kernels %s unavailable (%s: %s); using the torch path", stem,
+                       type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
