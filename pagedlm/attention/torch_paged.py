@@ -333,7 +333,12 @@ class TorchPagedAttention:
             k = k.repeat_interleave(group, dim=0)  # [num_heads, num_keys, head_dim]
             v = v.repeat_interleave(group, dim=0)  # [num_heads, num_keys, head_dim]
             extra = {}
+        # A leading batch dimension matters: torch's CPU flash-attention kernel only takes
+        # 4-D inputs, and 3-D ones fall back to the math path, which materialises the
+        # scores (measured 5-6x slower at 700 tokens, 9 heads, 2 threads).
+        if mask is not None:
+            mask = mask[None] if mask.dim() == 3 else mask  # 2-D [q_len, keys] broadcasts
         o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, **extra
-        )  # [num_heads, q_len, head_dim]
+            q[None], k[None], v[None], attn_mask=mask, is_causal=mask is None, scale=scale, **extra
+        )[0]  # [num_heads, q_len, head_dim]
         return o.transpose(0, 1)
