@@ -34,12 +34,16 @@ def dense_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, slopes=
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 1)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+# Group sizes 1, 3 and 8 cover every query-head tile of the register-tiled path (3 heads
+# at a time: 8 = 3 + 3 + 2); head_dim 32/64/80/40 cover its value tiles (32 dims at a
+# time, then a 16- or 8-dim remainder); head_dim 20 takes the untiled path.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (4, 4, 32), (6, 2, 64), (8, 1, 32), (9, 3, 80), (4, 2, 40), (3, 1, 20)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("features", ["plain", "window", "softcap", "alibi", "all"])
-def test_paged_decode_matches_dense(num_heads, num_kv_heads, cache_dtype, features):
-    g = torch.Generator().manual_seed(num_heads * 7 + num_kv_heads)
-    head_dim, block_size, num_blocks = 32, 8, 200
+def test_paged_decode_matches_dense(num_heads, num_kv_heads, head_dim, cache_dtype, features):
+    g = torch.Generator().manual_seed(num_heads * 7 + num_kv_heads + head_dim)
+    block_size, num_blocks = 8, 200
     # Lengths around block and partition (256) boundaries, one long enough for 3 partitions.
     seq_lens = [1, 7, 8, 9, 255, 256, 257, 700]
     k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
