@@ -2,10 +2,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.layers.cpu_ops import fused_ops
+
 
 class SiluAndMul(nn.Module):
     """x = [gate | up] along the last dim -> silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops(x)
+        if ops is not None:
+            shape = x.shape
+            out = ops.silu_and_mul(x.reshape(-1, shape[-1]).contiguous())
+            return out.view(*shape[:-1], shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

@@ -3,6 +3,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.layers.cpu_ops import fused_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32; optionally adds the residual first and returns it."""
@@ -20,6 +22,14 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        ops = fused_ops(x)
+        if ops is not None and self.weight.dtype == torch.float32:
+            shape = x.shape
+            res = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
+            outs = ops.rms_norm(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.eps, res)
+            if residual is None:
+                return outs[0].view(shape)
+            return outs[0].view(shape), outs[1].view(shape)
         if residual is None:
             return self._norm(x)
         x = x + residual

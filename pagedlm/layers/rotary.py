@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pagedlm.layers.cpu_ops import fused_ops
+
 # RoPE types whose frequencies do not depend on the sequence length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
 
@@ -94,6 +96,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", (emb.cos() * scaling).to(dtype), persistent=False)
         self.register_buffer("sin_cache", (emb.sin() * scaling).to(dtype), persistent=False)
         self._apply_rope = self._apply_full if rotary_dim == head_dim else self._apply_partial
+        # The fused CPU kernel rotates rotate-half pairs over the whole head.
+        self._fusable = not interleaved and rotary_dim == head_dim and dtype == torch.float32
 
     def _apply_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + self._rotate(x) * sin
@@ -106,6 +110,11 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # query [num_tokens, num_heads, head_dim], key [num_tokens, num_kv_heads, head_dim]
+        ops = fused_ops(query) if self._fusable else None
+        if ops is not None and query.stride(-1) == 1 and key.stride(-1) == 1 \
+                and key.dtype == torch.float32:
+            q, k = ops.rotary(positions.contiguous(), query, key, self.cos_cache, self.sin_cache)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [num_tokens, 1, rotary_dim]
         sin = self.sin_cache[positions].unsqueeze(1)
         return self._apply_rope(query, cos, sin), self._apply_rope(key, cos, sin)
