@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedlm.benchmarks.common import write_json
+from pagedlm.benchmarks.common import read_json, write_json
 from pagedlm.benchmarks.kv_waste import measured_waste, simulate_kv_usage
 from pagedlm.benchmarks.metrics import RequestRecord, compute_serving_metrics
 from pagedlm.engine.stats import KVUsageSample
@@ -37,6 +37,23 @@ def test_plot_throughput_bars(tmp_path: Path) -> None:
     c = throughput_json(tmp_path / "c.json", "pagedlm", 100.0)
     assert main(["bench", "plot", "throughput", str(a), str(c)]) == 0
     assert is_png(tmp_path / "a_throughput.png")
+
+
+def test_throughput_plot_takes_serving_results(tmp_path: Path) -> None:
+    from pagedlm.benchmarks.plots import throughput_runs
+
+    a = throughput_json(tmp_path / "a.json", "pagedlm", 120.0)
+    serving = {"benchmark": "serving", "label": "llama-server np=16",
+               "results": {"output_throughput": 89.0, "total_token_throughput": 170.0,
+                           "request_throughput": 0.44}}
+    runs = throughput_runs([("a.json", read_json(a)), ("s.json", serving)])
+    assert runs[1] == ("llama-server np=16 (served)", {
+        "output_tokens_per_s": 89.0, "total_tokens_per_s": 170.0, "requests_per_s": 0.44})
+    s = write_json(tmp_path / "s.json", serving)
+    assert main(["bench", "plot", "throughput", str(a), str(s)]) == 0
+    assert is_png(tmp_path / "a_throughput.png")
+    with pytest.raises(ValueError, match="output_throughput"):
+        throughput_runs([("bad.json", {"benchmark": "serving", "results": {}})])
 
 
 def test_plot_latency_against_rate(tmp_path: Path) -> None:

@@ -128,6 +128,7 @@ def run_hf_static(
             do_sample=True,
             temperature=1.0,
             top_p=1.0,
+            top_k=0,  # HF's default top-k is 50; every engine here samples the full vocab
             max_new_tokens=max_new,
             use_cache=True,
             pad_token_id=pad_id,

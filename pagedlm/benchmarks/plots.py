@@ -1,7 +1,8 @@
 """`pagedlm bench plot`: PNG charts from benchmark result JSONs (matplotlib, Agg canvas).
 
     throughput  bars of tokens/s and requests/s, one per engine run (throughput JSONs, or
-                any JSON whose "results" maps run names to throughput figures)
+                any JSON whose "results" maps run names to throughput figures; serving
+                JSONs add one bar each, labelled "<label> (served)")
     latency     TTFT / TPOT / ITL / E2E percentiles against the request rate (serving JSONs,
                 one per rate; runs are grouped into lines by their label)
     kv-usage    KV slots allocated vs tokens held over time (one kv-waste JSON)
@@ -50,6 +51,9 @@ def throughput_runs(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple
     """(label, figures) for every run in the reports; labels made unique with the file name."""
     runs: list[tuple[str, dict]] = []
     for name, report in reports:
+        if report.get("benchmark") == "serving":
+            runs.append(_serving_run(name, report))
+            continue
         results = report.get("results")
         if not isinstance(results, dict):
             raise ValueError(f"{name}: no 'results' object; is it a throughput result?")
@@ -62,9 +66,26 @@ def throughput_runs(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple
     if len(set(labels)) < len(labels):
         runs = []
         for name, report in reports:
+            if report.get("benchmark") == "serving":
+                label, figs = _serving_run(name, report)
+                runs.append((f"{label} ({Path(name).stem})", figs))
+                continue
             runs += [(f"{label} ({Path(name).stem})", figs)
                      for label, figs in report["results"].items()]
     return runs
+
+
+def _serving_run(name: str, report: dict[str, Any]) -> tuple[str, dict]:
+    """A `pagedlm bench serving` result as one bar: its label (or server URL), served."""
+    results = report.get("results")
+    if not isinstance(results, dict) or "output_throughput" not in results:
+        raise ValueError(f"{name}: a serving result without results.output_throughput")
+    label = report.get("label") or report.get("base_url") or Path(name).stem
+    return f"{label} (served)", {
+        "output_tokens_per_s": results["output_throughput"],
+        "total_tokens_per_s": results.get("total_token_throughput"),
+        "requests_per_s": results.get("request_throughput"),
+    }
 
 
 def plot_throughput(reports: Sequence[tuple[str, dict[str, Any]]], output: str | Path) -> Path:
