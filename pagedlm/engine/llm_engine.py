@@ -128,6 +128,13 @@ class LLMEngine:
         # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
         self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
                                  self.device, args.load_format, args.seed)
+        # Weights that are exactly GGUF blocks (a Q4_1 / Q8_0 file) also keep that form for
+        # small batches; found before float16 packing drops the float32 copies.
+        block_weights = []
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from pagedlm.layers.block_weights import attach_block_weights, recover_block_weights
+
+            block_weights = recover_block_weights(self.model)
         if args.weight_dtype == "float16":
             from pagedlm.layers.fp16_weights import pack_weights_fp16
 
@@ -135,6 +142,9 @@ class LLMEngine:
                 raise ValueError("weight_dtype='float16' is for float32 models on CPU; on GPUs "
                                  "set dtype='float16' instead")
             pack_weights_fp16(self.model)
+        if block_weights:
+            logger.info("block kernel for small batches on %d layers (GGUF Q4_1/Q8_0 weights)",
+                        attach_block_weights(block_weights))
         cfg = self.hf_config
         self.vocab_size = cfg.vocab_size
         # The cache geometry comes from the model's own attention layers: config names for

@@ -1,0 +1,235 @@
+// y = x @ W.T (+ bias) for a few rows of x, with W stored in ggml's 32-value block formats
+// (Q4_1 or Q8_0) and dequantised in registers. Decode steps with few sequences are bound by
+// the bytes of weights streamed from memory; a Q4_1 weight is 5 bits per value against 16
+// (float16) or 32 (float32).
+//
+// The blocks hold exactly the values the loader dequantised (layers/block_weights.py
+// recovers them and checks every block), so the maths is that of F.linear on the float32
+// weights; only the order of the float32 sums differs:
+//
+//   Q4_1:  w = fma(d, q, m)   d, m float16 widened to float32, q in 0..15
+//   Q8_0:  w = d * q          d float16 widened to float32, q in -128..127
+//   y[i, n] = sum_k x[i, k] * w[n, k]  (float32 FMAs)  + bias[n]
+//
+// d * q needs at most 11 + 8 significant bits, so it is exact in float32: fma(d, q, m) is
+// the loader's round(round(d * q) + m) and d * q its round(d * q).
+//
+// Layout: blocks [N, K / 32, bytes] uint8, row n's blocks contiguous, each block as in a
+// GGUF file, so one output row streams one contiguous span:
+//
+//   Q4_1 (20 B):  d f16 | m f16 | qs[16]    value j  = low nibble of qs[j],
+//                                           value j + 16 = high nibble of qs[j]
+//   Q8_0 (34 B):  d f16 | q[32] int8
+//
+// Each thread takes a range of output rows n; for each row and each tile of <= 8 rows of x,
+// a block is widened once into four 8-lane registers and used by every row of the tile
+// (x stays in L1/L2). Work per block is a few shifts and conversions, so one 8-row tile
+// costs little more than one row.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGEDLM_BLOCK_AVX2 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_1Bytes = 20;
+constexpr int64_t kQ8_0Bytes = 34;
+constexpr int kMaxTile = 8;
+
+#if defined(PAGEDLM_BLOCK_AVX2)
+// w[g] holds values 8g .. 8g + 7 of the block.
+inline void widen_q4_1(const uint8_t* blk, __m256 w[4]) {
+  int32_t dm_bits;
+  std::memcpy(&dm_bits, blk, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));  // [d, m, 0, 0]: one conversion
+  const __m256 d = _mm256_broadcastss_ps(dm);
+  const __m256 m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m256i lo_mask = _mm256_set1_epi32(0x0F);
+  // Bytes 0..7 give values 0..7 (low nibbles) and 16..23 (high); bytes 8..15 the rest.
+  const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 4)));
+  const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 12)));
+  w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b0, lo_mask)), m);
+  w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(b1, lo_mask)), m);
+  w[2] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4)), m);
+  w[3] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4)), m);
+}
+inline void widen_q8_0(const uint8_t* blk, __m256 w[4]) {
+  uint16_t dbits;
+  std::memcpy(&dbits, blk, 2);
+  const __m256 d = _mm256_set1_ps(_cvtsh_ss(dbits));
+  for (int g = 0; g < 4; ++g) {
+    const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * g));
+    w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
+  }
+}
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// One output row n for MT rows of x. Each x row takes four FMAs per block; NA independent
+// accumulators per row split them into chains of 4 / NA, so that the FMA latency (4
+// cycles) does not bound a block at 16 cycles when MT is small. MT * NA accumulators +
+// 4 weights + 1 operand stay within the 16 ymm registers.
+template <int MT, bool kQ4>
+inline void row_tile(const float* x, int64_t K, const uint8_t* row, int64_t num_blocks,
+                     float* y, int64_t ldy) {
+  constexpr int NA = MT <= 2 ? 4 : (MT <= 4 ? 2 : 1);
+  constexpr int64_t kBytes = kQ4 ? kQ4_1Bytes : kQ8_0Bytes;
+  __m256 acc[MT][NA];
+  for (int i = 0; i < MT; ++i)
+    for (int a = 0; a < NA; ++a) acc[i][a] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m256 w[4];
+    if constexpr (kQ4) {
+      widen_q4_1(row + b * kBytes, w);
+    } else {
+      widen_q8_0(row + b * kBytes, w);
+    }
+    const float* xb = x + b * kBlock;
+    for (int i = 0; i < MT; ++i) {
+      for (int g = 0; g < 4; ++g) {
+        acc[i][g % NA] = _mm256_fmadd_ps(_mm256_loadu_ps(xb + i * K + 8 * g), w[g], acc[i][g % NA]);
+      }
+    }
+  }
+  for (int i = 0; i < MT; ++i) {
+    __m256 s = acc[i][0];
+    for (int a = 1; a < NA; ++a) s = _mm256_add_ps(s, acc[i][a]);
+    y[i * ldy] = hsum(s);
+  }
+}
+
+template <bool kQ4>
+void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t num_blocks,
+             float* y, int64_t ldy) {
+  for (int64_t i0 = 0; i0 < M; i0 += kMaxTile) {
+    const float* xi = x + i0 * K;
+    float* yi = y + i0 * ldy;
+    switch (std::min<int64_t>(M - i0, kMaxTile)) {
+      case 1: row_tile<1, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 2: row_tile<2, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 3: row_tile<3, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 4: row_tile<4, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 5: row_tile<5, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 6: row_tile<6, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      case 7: row_tile<7, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+      default: row_tile<8, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
+    }
+  }
+}
+#else
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// The 32 values of one block as float32, in element order (portable reference path).
+inline void dequant_q4_1(const uint8_t* blk, float* w) {
+  const float d = half_at(blk), m = half_at(blk + 2);
+  for (int j = 0; j < 16; ++j) {
+    w[j] = d * static_cast<float>(blk[4 + j] & 0x0F) + m;  // d * q exact: one rounding
+    w[j + 16] = d * static_cast<float>(blk[4 + j] >> 4) + m;
+  }
+}
+inline void dequant_q8_0(const uint8_t* blk, float* w) {
+  const float d = half_at(blk);
+  for (int j = 0; j < 32; ++j) w[j] = d * static_cast<float>(static_cast<int8_t>(blk[2 + j]));
+}
+
+template <bool kQ4>
+void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t num_blocks,
+             float* y, int64_t ldy) {
+  constexpr int64_t kBytes = kQ4 ? kQ4_1Bytes : kQ8_0Bytes;
+  float acc[kMaxTile];
+  float w[kBlock];
+  for (int64_t i0 = 0; i0 < M; i0 += kMaxTile) {
+    const int64_t mt = std::min<int64_t>(M - i0, kMaxTile);
+    std::fill(acc, acc + mt, 0.f);
+    for (int64_t b = 0; b < num_blocks; ++b) {
+      if constexpr (kQ4) {
+        dequant_q4_1(row + b * kBytes, w);
+      } else {
+        dequant_q8_0(row + b * kBytes, w);
+      }
+      for (int64_t i = 0; i < mt; ++i) {
+        const float* xb = x + (i0 + i) * K + b * kBlock;
+        float s = 0.f;
+        for (int j = 0; j < kBlock; ++j) s += xb[j] * w[j];
+        acc[i] += s;
+      }
+    }
+    for (int64_t i = 0; i < mt; ++i) y[(i0 + i) * ldy] = acc[i];
+  }
+}
+#endif
+
+template <bool kQ4>
+torch::Tensor run(const torch::Tensor& x, const torch::Tensor& blocks,
+                  const c10::optional<torch::Tensor>& bias) {
+  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), num_blocks = blocks.size(1);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  const float* x_p = x.data_ptr<float>();
+  const uint8_t* w_p = blocks.data_ptr<uint8_t>();
+  float* y_p = y.data_ptr<float>();
+  const int64_t row_bytes = blocks.size(1) * blocks.size(2);
+  // Enough rows per task that the split costs nothing next to streaming them.
+  const int64_t grain = std::max<int64_t>(1, 16384 / row_bytes);
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      row_all<kQ4>(x_p, M, K, w_p + n * row_bytes, num_blocks, y_p + n, N);
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
+                            const c10::optional<torch::Tensor>& bias, int64_t block_bytes,
+                            bool q4) {
+  TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block GEMV runs on CPU tensors");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
+              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(blocks.dim() == 3 && blocks.scalar_type() == torch::kByte && blocks.is_contiguous() &&
+                  blocks.size(2) == block_bytes,
+              "blocks must be contiguous uint8 [N, K / 32, ", block_bytes, "]");
+  TORCH_CHECK(x.size(1) == blocks.size(1) * kBlock, "x has ", x.size(1),
+              " features but the blocks hold ", blocks.size(1) * kBlock);
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == blocks.size(0) &&
+                    bias->scalar_type() == torch::kFloat,
+                "bias must be float32 [N]");
+  }
+  return q4 ? run<true>(x, blocks, bias) : run<false>(x, blocks, bias);
+}
+
+}  // namespace
+
+// x [M, K] float32 contiguous; blocks [N, K / 32, 20] uint8 (Q4_1); bias [N] or None.
+// Returns float32 [M, N].
+torch::Tensor q4_1_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  return check_and_run(x, blocks, bias, kQ4_1Bytes, true);
+}
+
+// x [M, K] float32 contiguous; blocks [N, K / 32, 34] uint8 (Q8_0); bias [N] or None.
+// Returns float32 [M, N].
+torch::Tensor q8_0_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
+  return check_and_run(x, blocks, bias, kQ8_0Bytes, false);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q4_1_gemv", &q4_1_gemv, "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
+  m.def("q8_0_gemv", &q8_0_gemv, "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
+}
