@@ -13,9 +13,10 @@ Pipeline for each step (all tensor work is batched over rows):
    `presence * (count > 0)` subtracted, counting output tokens only.
 4. Greedy rows (temperature < 1e-5) take the argmax of the penalised logits.
 5. Random rows: divide by temperature, apply min_p, then top-k, then top-p, and
-   sample with the Gumbel-max trick using counter-based noise (see
-   `random_uniform`), so that a row's token depends only on its own seed, step and
-   logits: not on the batch it shares or its position in it.
+   sample with the Gumbel-max trick using counter-based noise (see noise.py), so
+   that a row's token depends only on its own seed, step and logits: not on the
+   batch it shares or its position in it. On CPU a fused C++ kernel does that last
+   step (cpu_sampling.py); the torch code is its reference and the GPU path.
 
 Work no row needs is skipped; that is decided once in `make_sampling_batch`.
 """
@@ -27,58 +28,12 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.sample.cpu_sampling import RaceFn, fused_exponential_race
+from pagedlm.sample.noise import exponential_race
+from pagedlm.sample.noise import random_uniform as random_uniform  # re-exported
 from pagedlm.sampling_params import SamplingParams
 
 _SEED_MODULUS = 1 << 63
-_MASK64 = (1 << 64) - 1
-
-
-def _signed64(x: int) -> int:
-    """Reinterpret an unsigned 64-bit constant as the int64 torch stores."""
-    x &= _MASK64
-    return x - (1 << 64) if x >= (1 << 63) else x
-
-
-# splitmix64 constants (Steele, Lea & Flood 2014), as signed int64.
-_GOLDEN = _signed64(0x9E3779B97F4A7C15)
-_MIX1 = _signed64(0xBF58476D1CE4E5B9)
-_MIX2 = _signed64(0x94D049BB133111EB)
-
-
-def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
-    # torch's >> on int64 is arithmetic (sign-extending); masking off the top `s`
-    # bits turns it into the logical shift that splitmix64 is defined with.
-    return (z >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix64(z: torch.Tensor) -> torch.Tensor:
-    """splitmix64's finaliser on int64 tensors. int64 multiply wraps mod 2**64, which
-    is exactly the unsigned arithmetic of the reference; xor and masked shifts are
-    bit-exact as well, so the results equal the unsigned algorithm bit for bit."""
-    z = (z ^ _shr(z, 30)) * _MIX1
-    z = (z ^ _shr(z, 27)) * _MIX2
-    return z ^ _shr(z, 31)
-
-
-def random_uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Deterministic uniforms in (0, 1), one per (row, vocab index).
-
-    The hash, in unsigned 64-bit arithmetic:
-        key_r   = mix64(mix64(seed_r + G) ^ step_r)
-        h_{r,j} = mix64(key_r + (j + 1) * G)          (the j-th splitmix64 output
-                                                       of a generator seeded with key_r)
-        u_{r,j} = (top 23 bits of h_{r,j} + 0.5) / 2**23
-    where G = 0x9E3779B97F4A7C15 and mix64 is splitmix64's finaliser. 23 bits keep
-    every value exactly representable in float32 and strictly inside (0, 1).
-
-    seeds: [num_rows] int64 in [0, 2**63); steps: [num_rows] int64.
-    Returns [num_rows, vocab_size] float32.
-    """
-    key = _mix64(_mix64(seeds + _GOLDEN) ^ steps)  # [num_rows]
-    j = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)  # [vocab]
-    h = _mix64(key[:, None] + j * _GOLDEN)  # [num_rows, vocab]
-    bits = _shr(h, 41)  # [num_rows, vocab], in [0, 2**23)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 # ---------------------------------------------------------------------------
@@ -397,7 +352,13 @@ class Sampler:
     """Turns the last-position logits of each request into one token per row.
 
     Does not modify `logits`. See the module docstring for the order of stages.
+    use_cpu_kernels=False keeps CPU tensors on the torch path (the reference).
     """
+
+    def __init__(self, use_cpu_kernels: bool = True) -> None:
+        # The fused CPU race is built on the first CPU call rather than here: building it
+        # takes a while, and a GPU engine never needs it. The process caches it.
+        self.use_cpu_kernels = use_cpu_kernels
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if logits.dim() != 2 or logits.shape != (batch.num_reqs, batch.vocab_size):
@@ -435,19 +396,26 @@ class Sampler:
         lp, ranks, top_ids, top_lp = compute_logprobs(raw, sampled, batch.max_num_logprobs)
         return SamplerOutput(sampled, lp, ranks, top_ids, top_lp)
 
-    @staticmethod
-    def _sample_random(x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def _race_for(self, x: torch.Tensor) -> RaceFn | None:
+        """The fused kernel if it applies to x (float32 on CPU, kernel built), else None."""
+        if not (self.use_cpu_kernels and x.is_cpu and x.dtype == torch.float32):
+            return None
+        return fused_exponential_race()
+
+    def _sample_random(self, x: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """x: [num_random, vocab] penalised logits of the random rows -> [num_random] ids."""
         assert batch.temperature is not None and batch.seeds is not None
         assert batch.steps is not None
+        fused = self._race_for(x)
+        top_k_top_p = batch.top_k is not None or batch.top_p is not None
+        if fused is not None and batch.min_p is None and not top_k_top_p:
+            # The kernel divides by the temperature itself: one pass over x instead of two.
+            return fused(x, batch.seeds, batch.steps, batch.temperature)
         x = x / batch.temperature[:, None]  # [num_random, vocab]
         if batch.min_p is not None:
             x = apply_min_p(x, batch.min_p)
-        if batch.top_k is not None or batch.top_p is not None:
+        if top_k_top_p:
             x = apply_top_k_top_p(x, batch.top_k, batch.top_p, max_k=batch.max_top_k)
-        # Gumbel-max / exponential race: argmax_j p_j / E_j with E_j = -log(u_j) ~ Exp(1)
-        # draws j with probability p_j. In log space that is argmax(x_j - log E_j),
-        # which needs no softmax and leaves -inf (masked) tokens unpickable.
-        u = random_uniform(batch.seeds, batch.steps, x.shape[-1])  # [num_random, vocab]
-        race = x - torch.log(-torch.log(u))  # [num_random, vocab]
-        return race.argmax(dim=-1)
+        if fused is not None:
+            return fused(x, batch.seeds, batch.steps, None)
+        return exponential_race(x, batch.seeds, batch.steps)
