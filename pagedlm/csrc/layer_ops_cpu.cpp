@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 #include <vector>
 
 namespace {
@@ -44,6 +47,26 @@ inline float exp_approx(float x) {
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return p * __builtin_bit_cast(float, bits);
 }
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_approx on 8 lanes, the same steps (the compiler does not vectorise the scalar one
+// inside silu's loop).
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+#endif
 
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), name,
@@ -110,8 +133,17 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
       const float* g = x_p + t * 2 * inter;
       const float* u = g + inter;
       float* o = o_p + t * inter;
-#pragma omp simd
-      for (int64_t i = 0; i < inter; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
+      int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+      const __m256 one = _mm256_set1_ps(1.0f);
+      for (; i + 8 <= inter; i += 8) {
+        const __m256 gv = _mm256_loadu_ps(g + i);
+        const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_setzero_ps(), gv));
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)),
+                                              _mm256_loadu_ps(u + i)));
+      }
+#endif
+      for (; i < inter; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
     }
   });
   return out;
