@@ -129,6 +129,19 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
+// Rows ahead of the one being read that are fetched into cache. A sequence's blocks lie
+// anywhere in the cache, so the hardware prefetcher loses the stream at every block edge;
+// the row pointers are known in advance, so the loops ask for them explicitly.
+constexpr int64_t kPrefetchRows = 32;
+
+template <typename cache_t>
+inline void prefetch_row(const cache_t* row, int64_t head_dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(cache_t)); off += 64) {
+    _mm_prefetch(p + off, _MM_HINT_T0);
+  }
+}
+
 // scores[g * n + i + t] = q_g . row_t for t < count (<= 4) and g < NG.
 template <int NG, typename cache_t>
 inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* rows, int count,
@@ -161,6 +174,7 @@ inline void pv_tile(const float* p, int64_t n, const cache_t* const* rows, int64
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CB; ++c) a[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
+    if (d0 == 0 && i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], head_dim);
     __m256 pb[NG];
     for (int g = 0; g < NG; ++g) pb[g] = _mm256_set1_ps(p[g * n + i]);
     for (int c = 0; c < CB; ++c) {
@@ -176,6 +190,9 @@ template <int NG, typename cache_t>
 inline void qk_heads(const float* q, const cache_t* const* rows, int64_t n, int64_t head_dim,
                      float* scores) {
   for (int64_t i = 0; i < n; i += 4) {
+    for (int64_t j = i + kPrefetchRows; j < std::min(n, i + kPrefetchRows + 4); ++j) {
+      prefetch_row(rows[j], head_dim);
+    }
     qk_tile<NG>(q, rows + i, static_cast<int>(std::min<int64_t>(4, n - i)), head_dim, scores, n, i);
   }
 }
