@@ -134,10 +134,18 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
 // the row pointers are known in advance, so the loops ask for them explicitly.
 constexpr int64_t kPrefetchRows = 32;
 
+// What to prefetch for a row: the whole token (every kv head: a contiguous run of
+// num_kv_heads * head_dim values), so the items of the other kv heads of this sequence and
+// partition, which run right after on the same thread, find it in cache.
+struct Span {
+  int64_t back;  // values from the row's start back to its token's start
+  int64_t len;   // values in the token
+};
+
 template <typename cache_t>
-inline void prefetch_row(const cache_t* row, int64_t head_dim) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < head_dim * static_cast<int64_t>(sizeof(cache_t)); off += 64) {
+inline void prefetch_row(const cache_t* row, Span span) {
+  const char* p = reinterpret_cast<const char*>(row - span.back);
+  for (int64_t off = 0; off < span.len * static_cast<int64_t>(sizeof(cache_t)); off += 64) {
     _mm_prefetch(p + off, _MM_HINT_T0);
   }
 }
@@ -169,12 +177,12 @@ inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* rows, int 
 // acc[g, d0 : d0 + 8 * CB] = sum_i p[g * n + i] * row_i[d0 : d0 + 8 * CB] for g < NG.
 template <int NG, int CB, typename cache_t>
 inline void pv_tile(const float* p, int64_t n, const cache_t* const* rows, int64_t d0,
-                    float* acc /*[NG, D]*/, int64_t head_dim) {
+                    float* acc /*[NG, D]*/, int64_t head_dim, Span span) {
   __m256 a[NG][CB];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CB; ++c) a[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    if (d0 == 0 && i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], head_dim);
+    if (d0 == 0 && i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], span);
     __m256 pb[NG];
     for (int g = 0; g < NG; ++g) pb[g] = _mm256_set1_ps(p[g * n + i]);
     for (int c = 0; c < CB; ++c) {
@@ -188,10 +196,10 @@ inline void pv_tile(const float* p, int64_t n, const cache_t* const* rows, int64
 
 template <int NG, typename cache_t>
 inline void qk_heads(const float* q, const cache_t* const* rows, int64_t n, int64_t head_dim,
-                     float* scores) {
+                     float* scores, Span span) {
   for (int64_t i = 0; i < n; i += 4) {
     for (int64_t j = i + kPrefetchRows; j < std::min(n, i + kPrefetchRows + 4); ++j) {
-      prefetch_row(rows[j], head_dim);
+      prefetch_row(rows[j], span);
     }
     qk_tile<NG>(q, rows + i, static_cast<int>(std::min<int64_t>(4, n - i)), head_dim, scores, n, i);
   }
@@ -199,13 +207,13 @@ inline void qk_heads(const float* q, const cache_t* const* rows, int64_t n, int6
 
 template <int NG, typename cache_t>
 inline void pv_heads(const float* p, int64_t n, const cache_t* const* rows, float* acc,
-                     int64_t head_dim) {
+                     int64_t head_dim, Span span) {
   int64_t d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) pv_tile<NG, 4>(p, n, rows, d0, acc, head_dim);
+  for (; d0 + 32 <= head_dim; d0 += 32) pv_tile<NG, 4>(p, n, rows, d0, acc, head_dim, span);
   switch ((head_dim - d0) / 8) {
-    case 3: pv_tile<NG, 3>(p, n, rows, d0, acc, head_dim); break;
-    case 2: pv_tile<NG, 2>(p, n, rows, d0, acc, head_dim); break;
-    case 1: pv_tile<NG, 1>(p, n, rows, d0, acc, head_dim); break;
+    case 3: pv_tile<NG, 3>(p, n, rows, d0, acc, head_dim, span); break;
+    case 2: pv_tile<NG, 2>(p, n, rows, d0, acc, head_dim, span); break;
+    case 1: pv_tile<NG, 1>(p, n, rows, d0, acc, head_dim, span); break;
     default: break;
   }
 }
@@ -213,28 +221,28 @@ inline void pv_heads(const float* p, int64_t n, const cache_t* const* rows, floa
 // Every query head of the group, NG <= 3 at a time.
 template <typename cache_t>
 void qk_group(const float* qg, const cache_t* const* rows, int64_t n, int64_t head_dim,
-              int64_t group, float* scores) {
+              int64_t group, float* scores, Span span) {
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const float* q = qg + g0 * head_dim;
     float* s = scores + g0 * n;
     switch (std::min<int64_t>(3, group - g0)) {
-      case 3: qk_heads<3>(q, rows, n, head_dim, s); break;
-      case 2: qk_heads<2>(q, rows, n, head_dim, s); break;
-      default: qk_heads<1>(q, rows, n, head_dim, s); break;
+      case 3: qk_heads<3>(q, rows, n, head_dim, s, span); break;
+      case 2: qk_heads<2>(q, rows, n, head_dim, s, span); break;
+      default: qk_heads<1>(q, rows, n, head_dim, s, span); break;
     }
   }
 }
 
 template <typename cache_t>
 void pv_group(const float* scores, const cache_t* const* rows, int64_t n, int64_t head_dim,
-              int64_t group, float* acc) {
+              int64_t group, float* acc, Span span) {
   for (int64_t g0 = 0; g0 < group; g0 += 3) {
     const float* p = scores + g0 * n;
     float* a = acc + g0 * head_dim;
     switch (std::min<int64_t>(3, group - g0)) {
-      case 3: pv_heads<3>(p, n, rows, a, head_dim); break;
-      case 2: pv_heads<2>(p, n, rows, a, head_dim); break;
-      default: pv_heads<1>(p, n, rows, a, head_dim); break;
+      case 3: pv_heads<3>(p, n, rows, a, head_dim, span); break;
+      case 2: pv_heads<2>(p, n, rows, a, head_dim, span); break;
+      default: pv_heads<1>(p, n, rows, a, head_dim, span); break;
     }
   }
 }
@@ -280,7 +288,7 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
     for_each_row(it, v_cache, block_table, block_size, token_stride, head_offset,
                  [&](int64_t i, const cache_t* v) { v_rows[i] = v; });
 #if defined(PAGEDLM_TILED)
-    qk_group(qg, k_rows, n, head_dim, group, scores);
+    qk_group(qg, k_rows, n, head_dim, group, scores, Span{head_offset, token_stride});
 #endif
   } else {
     for_each_row(it, k_cache, block_table, block_size, token_stride, head_offset,
@@ -314,7 +322,7 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
   }
   if (tiled) {
 #if defined(PAGEDLM_TILED)
-    pv_group(scores, v_rows, n, head_dim, group, acc);
+    pv_group(scores, v_rows, n, head_dim, group, acc, Span{head_offset, token_stride});
 #endif
     return;
   }
@@ -340,15 +348,22 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   std::vector<Item> items;
   std::vector<int64_t> first_slot(num_seqs * num_kv_heads + 1, 0);
   int64_t slot = 0;
+  // Items run sequence by sequence, partition by partition, kv head by kv head: the kv
+  // heads of one token are adjacent in the cache, so consecutive items (one thread's
+  // share of them) read one contiguous stream. The partial results of each (sequence,
+  // kv head) stay consecutive slots for the merge below.
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t len = seq_lens[b];
     const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
-      first_slot[b * num_kv_heads + h] = slot;
-      for (int64_t p = start; p < len; p += kPartition) {
-        items.push_back({b, h, p, std::min(p + kPartition, len), slot++});
+    const int64_t num_parts = (len - start + kPartition - 1) / kPartition;
+    for (int64_t h = 0; h < num_kv_heads; ++h) first_slot[b * num_kv_heads + h] = slot + h * num_parts;
+    for (int64_t part = 0; part < num_parts; ++part) {
+      const int64_t p = start + part * kPartition;
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        items.push_back({b, h, p, std::min(p + kPartition, len), slot + h * num_parts + part});
       }
     }
+    slot += num_kv_heads * num_parts;
   }
   first_slot[num_seqs * num_kv_heads] = slot;
 
