@@ -111,7 +111,9 @@ def plot_throughput(reports: Sequence[tuple[str, dict[str, Any]]], output: str |
     ax_req.set_xticks(xs, labels, rotation=15)
     ax_req.set_ylabel("requests / s")
     ax_req.set_title("request throughput")
-    fig.suptitle(f"offline throughput\n{_subtitle(reports[0][1])}", fontsize=10)
+    served = any(r.get("benchmark") == "serving" for _, r in reports)
+    title = "offline and served (HTTP) throughput" if served else "offline throughput"
+    fig.suptitle(f"{title}\n{_subtitle(reports[0][1])}", fontsize=10)
     return _save(fig, output)
 
 
