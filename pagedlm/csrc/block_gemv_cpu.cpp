@@ -37,7 +37,11 @@
 #define PAGEDLM_BLOCK_AVX2 1
 #endif
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace pagedlm_vec;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_1Bytes = 20;
@@ -69,12 +73,6 @@ inline void widen_q8_0(const uint8_t* blk, __m256 w[4]) {
     const __m128i q8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * g));
     w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)));
   }
-}
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
 }
 
 // One output row n for MT rows of x. Each x row takes four FMAs per block; NA independent

@@ -22,51 +22,15 @@
 #endif
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
+
+using namespace pagedlm_vec;
 
 // Rows per parallel task: enough work per task that a decode step's few rows stay on
 // one thread (a parallel region costs more than they do).
 int64_t grain(int64_t row_elems) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(1, row_elems)); }
-
-// exp(x) in plain float arithmetic so the loops calling it vectorise (libm's expf is a
-// scalar call): x = (n + r) ln2, |r| <= 1/2, 2^r by a degree-6 polynomial (relative error
-// ~2e-7), 2^n written into the exponent bits. Clamped to [-87, 88]: the extremes give a
-// denormal-free tiny value or a huge one, which silu then maps to 0 or x as it should.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float t = x * 1.44269504088896341f;
-  const float n = (t + 12582912.0f) - 12582912.0f;
-  const float r = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * r + 1.339887440266574e-3f;
-  p = p * r + 9.618437357674640e-3f;
-  p = p * r + 5.550332471162809e-2f;
-  p = p * r + 2.402264791363012e-1f;
-  p = p * r + 6.931472028550421e-1f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
-
-#if defined(__AVX2__) && defined(__FMA__)
-// exp_approx on 8 lanes, the same steps (the compiler does not vectorise the scalar one
-// inside silu's loop).
-inline __m256 exp_approx8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256 r = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-#endif
 
 void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(), name,

@@ -29,29 +29,13 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace {
 
-constexpr int64_t kPartition = 256;
+using namespace pagedlm_vec;
 
-// exp(x) for x <= 0 in plain float arithmetic, so that the compiler vectorises the loops
-// calling it (libm's expf is a scalar call). x = n ln2 + r ln2 with n an integer and
-// |r| <= 1/2; 2^r from a degree-6 polynomial (the classic Cephes exp2f coefficients,
-// relative error ~2e-7); 2^n written straight into the exponent bits.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.0f);  // keeps 2^n a normal float
-  const float t = x * 1.44269504088896341f;  // x * log2(e)
-  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
-  const float r = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * r + 1.339887440266574e-3f;
-  p = p * r + 9.618437357674640e-3f;
-  p = p * r + 5.550332471162809e-2f;
-  p = p * r + 2.402264791363012e-1f;
-  p = p * r + 6.931472028550421e-1f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * __builtin_bit_cast(float, bits);
-}
+constexpr int64_t kPartition = 256;
 
 struct Item {
   int64_t seq;
@@ -73,12 +57,6 @@ inline __m256 load8(const at::Half* p) {
 inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
 }
 template <typename cache_t>
 inline float dot(const float* q, const cache_t* k, int64_t n) {
@@ -314,7 +292,7 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t i = 0; i < n; ++i) {
-      s[i] = exp_nonpositive(s[i] - m);
+      s[i] = exp_approx(s[i] - m);
       sum += s[i];
     }
     m_out[g] = m;

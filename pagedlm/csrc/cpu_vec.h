@@ -1,0 +1,62 @@
+// Small vector-math helpers shared by the CPU kernels in this directory (each kernel is
+// its own extension; this header is compiled into each).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace pagedlm_vec {
+
+// exp(x) in plain float arithmetic, so the loops calling it can vectorise (libm's expf is
+// a scalar call): x = (n + r) ln2 with n an integer and |r| <= 1/2; 2^r from a degree-6
+// polynomial (the classic Cephes exp2f coefficients, relative error ~2e-7); 2^n written
+// straight into the exponent bits. Clamped to [-87, 88], which keeps 2^n a normal float:
+// below, the result is a tiny normal value instead of 0; above, a huge finite one.
+inline float exp_approx(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = x * 1.44269504088896341f;  // x * log2(e)
+  const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
+  const float r = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * r + 1.339887440266574e-3f;
+  p = p * r + 9.618437357674640e-3f;
+  p = p * r + 5.550332471162809e-2f;
+  p = p * r + 2.402264791363012e-1f;
+  p = p * r + 6.931472028550421e-1f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp_approx on 8 lanes, the same steps, for loops the compiler does not vectorise.
+inline __m256 exp_approx8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(t, n);
+  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.339887440266574e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618437357674640e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550332471162809e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402264791363012e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931472028550421e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i bits =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// The sum of the 8 lanes.
+inline float hsum(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+#endif
+
+}  // namespace pagedlm_vec
