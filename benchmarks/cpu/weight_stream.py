@@ -37,6 +37,24 @@ def random_blocks(n: int, k: int, block_bytes: int, rng: np.random.Generator) ->
     return torch.from_numpy(blocks)
 
 
+def dense_steps(weights, packed, head, head16):
+    """One model step of matmuls at float32 (F.linear) and at float16 weights (fbgemm)."""
+
+    def step32(rows: int) -> None:
+        for ws in weights:
+            for w in ws:
+                torch.nn.functional.linear(torch.randn(rows, w.shape[1]), w)
+        torch.nn.functional.linear(torch.randn(rows, HIDDEN), head)
+
+    def step16(rows: int) -> None:
+        for ps, ws in zip(packed, weights):
+            for p, w in zip(ps, ws):
+                torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, w.shape[1]), p)
+        torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, HIDDEN), head16)
+
+    return step32, step16
+
+
 def block_section(weights, packed, head, head16, repeats: int) -> None:
     """fp32 / fp16 / block-kernel model matmul time per step for few rows."""
     from pagedlm.layers.block_weights import block_kernels
@@ -50,17 +68,7 @@ def block_section(weights, packed, head, head16, repeats: int) -> None:
     head_blocks = random_blocks(VOCAB, HIDDEN, 34, rng)
     nbytes = sum(b.numel() for bs in blocks for b in bs) + head_blocks.numel()
 
-    def step32(rows: int) -> None:
-        for ws in weights:
-            for w in ws:
-                torch.nn.functional.linear(torch.randn(rows, w.shape[1]), w)
-        torch.nn.functional.linear(torch.randn(rows, HIDDEN), head)
-
-    def step16(rows: int) -> None:
-        for ps, ws in zip(packed, weights):
-            for p, w in zip(ps, ws):
-                torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, w.shape[1]), p)
-        torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, HIDDEN), head16)
+    step32, step16 = dense_steps(weights, packed, head, head16)
 
     def step_blocks(rows: int) -> None:
         for bs in blocks:
@@ -83,17 +91,7 @@ def main() -> None:
     head = torch.randn(VOCAB, HIDDEN)
     head16 = torch.ops.quantized.linear_prepack_fp16(head, None)
 
-    def step32(rows: int) -> None:
-        for ws in weights:
-            for w in ws:
-                torch.nn.functional.linear(torch.randn(rows, w.shape[1]), w)
-        torch.nn.functional.linear(torch.randn(rows, HIDDEN), head)
-
-    def step16(rows: int) -> None:
-        for ps, ws in zip(packed, weights):
-            for p, w in zip(ps, ws):
-                torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, w.shape[1]), p)
-        torch.ops.quantized.linear_dynamic_fp16(torch.randn(rows, HIDDEN), head16)
+    step32, step16 = dense_steps(weights, packed, head, head16)
 
     for rows in [1, 4, 16, 64, 256]:
         t32, t16 = best_of(step32, rows), best_of(step16, rows)
