@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from pagedlm.benchmarks.datasets import SampleRequest
+from pagedlm.benchmarks.hf_baseline import run_hf_static
 from pagedlm.benchmarks.hf_cb_baseline import HFCBConfig, plan_cache
 from pagedlm.benchmarks.llamacpp_baseline import generate_one, run_llama_cpp
 from pagedlm.entrypoints.bench_client import CompletionsClient
@@ -102,6 +103,36 @@ def test_run_llama_cpp_refuses_a_request_longer_than_the_context() -> None:
                                          "holds 64"):
         run_llama_cpp(FakeLlama(n_ctx=64), [list(reqs[0].prompt_token_ids)], reqs,
                       use_tqdm=False)
+
+
+def test_hf_static_samples_the_full_vocabulary() -> None:
+    """HF's generate defaults to top-k 50; the baseline must sample like the other engines."""
+    import torch
+
+    calls = []
+
+    class FakeTokenizer:
+        pad_token_id, eos_token_id = 0, 0
+
+        def __call__(self, prompts, **_):
+            ids = torch.ones(len(prompts), 3, dtype=torch.long)
+            return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+        def batch_decode(self, out, **_):
+            return [""] * len(out)
+
+    class FakeModel:
+        def generate(self, input_ids, **kwargs):
+            calls.append(kwargs)
+            new = torch.zeros(len(input_ids), kwargs["max_new_tokens"], dtype=torch.long)
+            return torch.cat([input_ids, new], dim=1)
+
+    requests = [SampleRequest("a", 3, 2), SampleRequest("b", 3, 4)]
+    result = run_hf_static(FakeModel(), FakeTokenizer(), requests, max_batch_size=2,
+                           num_threads=None, use_tqdm=False)
+    assert result["output_tokens"] == 6
+    assert [(c["do_sample"], c["temperature"], c["top_p"], c["top_k"]) for c in calls] == \
+        [(True, 1.0, 1.0, 0)]
 
 
 def test_plan_cache_holds_every_request_at_once() -> None:
