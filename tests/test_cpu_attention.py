@@ -75,6 +75,34 @@ def test_paged_decode_matches_dense(num_heads, num_kv_heads, head_dim, cache_dty
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("seq_lens", [[300], [40, 33], [5, 1000], [2000]])
+def test_small_batches_split_into_smaller_partitions(threads, seq_lens):
+    """Too few 256-token partitions for the threads: the kernel halves the partition size
+    (down to 32 tokens), so the same context is merged from more, shorter partitions."""
+    g = torch.Generator().manual_seed(sum(seq_lens) + threads)
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
+    for b, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        block_tables[b, :nb] = torch.tensor(perm[:nb])
+        perm = perm[nb:]
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    ref = dense_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_rejects_bad_input():
     k = torch.zeros(4, 8, 2, 16)
     q = torch.zeros(1, 4, 16)

@@ -3,25 +3,60 @@ caches (5825 blocks of 16 tokens each), so every layer's K/V comes from DRAM, no
 the previous call warmed; sequences on scattered blocks (random block tables) or, with
 --contiguous, on consecutive ones.
 
-    python benchmarks/cpu/decode_attention_cold.py [--contiguous]
+With --baseline-rev REV the kernel source of that git revision is built too and the two run
+interleaved, step by step, in one process: on a shared VM whose speed drifts by more than
+the difference between two kernels, only such a side-by-side comparison means anything.
+
+    python benchmarks/cpu/decode_attention_cold.py [--contiguous] [--baseline-rev b33ca28]
 """
 
 import argparse
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from pagedlm.attention.cpu_kernels import paged_decode_attention
+from pagedlm.attention.cpu_kernels import load_cpu_kernels
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 9, 3, 64, 16, 5825, 30
+REPO = Path(__file__).resolve().parents[2]
+SOURCES = ["pagedlm/csrc/paged_attention_cpu.cpp", "pagedlm/csrc/cpu_vec.h"]
+
+
+def build_revision(rev: str, workdir: Path):
+    """The decode kernel as it was at git revision ``rev``, compiled as its own module."""
+    from torch.utils.cpp_extension import load
+
+    for path in SOURCES:
+        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"],
+                              check=True, capture_output=True, text=True).stdout
+        (workdir / Path(path).name).write_text(text)
+    name = "pagedlm_attention_rev_" + "".join(c for c in rev if c.isalnum())
+    return load(name=name, sources=[str(workdir / "paged_attention_cpu.cpp")],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                build_directory=str(workdir), verbose=False)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contiguous", action="store_true", help="consecutive blocks per sequence")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--baseline-rev", help="also time the kernel of this git revision, interleaved")
+    p.add_argument("--steps", type=int, default=9, help="timed steps per kernel (median reported)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    kernels = {"current": load_cpu_kernels()}
+    if kernels["current"] is None:
+        raise SystemExit("the CPU attention kernels are not available")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.baseline_rev:
+            kernels[args.baseline_rev] = build_revision(args.baseline_rev, Path(tmp))
+        run(kernels, args)
+
+
+def run(kernels: dict, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
@@ -32,18 +67,25 @@ def main() -> None:
             tables = torch.arange(1, seqs * per + 1).view(seqs, per)
         else:
             tables = (torch.randperm(NUM_BLOCKS - 1, generator=g)[: seqs * per] + 1).view(seqs, per)
-        q = torch.randn(seqs, HEADS, HEAD_DIM)
+        # The kernel's own input: float32 queries already multiplied by the softmax scale.
+        q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g) * HEAD_DIM**-0.5
         lens = [ctx] * seqs
-        times = []
-        for _ in range(8):
-            start = time.perf_counter()
-            for k, v in caches:
-                paged_decode_attention(q, k, v, tables, lens, HEAD_DIM**-0.5)
-            times.append(time.perf_counter() - start)
-        median = sorted(times[1:])[3]
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for step in range(args.steps + 1):
+            for name, module in kernels.items():
+                start = time.perf_counter()
+                for k, v in caches:
+                    module.paged_decode(q, k, v, tables, lens, 0.0, 0, None)
+                if step:  # the first step of each kernel is a warm-up
+                    times[name].append(time.perf_counter() - start)
         gigabytes = LAYERS * seqs * ctx * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
-        print(f"{seqs} seqs x {ctx} tokens, {LAYERS} layers: {median * 1e3:.1f} ms per step, "
-              f"{gigabytes / median:.1f} GB/s", flush=True)
+        medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        line = f"{seqs} seqs x {ctx} tokens, {LAYERS} layers:"
+        for name, median in medians.items():
+            line += f"  {name} {median * 1e3:.1f} ms per step ({gigabytes / median:.1f} GB/s)"
+        if len(medians) == 2:
+            line += f"  baseline / current = {medians[args.baseline_rev] / medians['current']:.2f}x"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -5,14 +5,15 @@
 // Cache layout (one layer):  [num_blocks, block_size, num_kv_heads, head_dim]
 // Token t of sequence b lives in block block_tables[b, t / block_size], row t % block_size.
 //
-// Work item = (sequence, kv head, partition of <= kPartition context tokens). Each item
-// computes, for the `group` query heads that share its kv head, the partition's softmax
+// Work item = (sequence, partition of <= 256 context tokens), every head at once: a
+// token's K (or V) values for all kv heads are one contiguous run, so an item reads its
+// blocks front to back. Each item computes, for every query head, the partition's softmax
 // maximum, sum of exponentials and un-normalised weighted sum of V; a second pass merges
-// the partitions of each (sequence, kv head):
+// the partitions of each (sequence, head):
 //
 //   out = sum_p exp(m_p - m) * acc_p / sum_p exp(m_p - m) * s_p,   m = max_p m_p
 //
-// Score of query head h (= kv_head * group + g) against key t, query at position
+// Score of query head h (kv head h / group) against key t, query at position
 // q = seq_len - 1 (the same maths as attention/reference.py):
 //   s = (q_h . k_t) * scale;  s = cap * tanh(s / cap) if cap > 0;  s += slope_h * (t - q);
 //   visible iff t <= q and (window <= 0 or q - t < window).
@@ -35,11 +36,12 @@ namespace {
 
 using namespace pagedlm_vec;
 
-constexpr int64_t kPartition = 256;
+// Context tokens per work item at most; fewer when there is too little work to give
+// every thread several items (a short batch of short sequences).
+constexpr int64_t kMaxPartition = 256;
 
 struct Item {
   int64_t seq;
-  int64_t kv_head;
   int64_t begin;  // first context token of the partition
   int64_t end;    // one past the last
   int64_t slot;   // index of this item's partial results
@@ -107,33 +109,23 @@ inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
-// Rows ahead of the one being read that are fetched into cache. A sequence's blocks lie
+// Tokens ahead of the one being read that are fetched into cache. A sequence's blocks lie
 // anywhere in the cache, so the hardware prefetcher loses the stream at every block edge;
-// the row pointers are known in advance, so the loops ask for them explicitly.
-constexpr int64_t kPrefetchRows = 32;
+// the token pointers are known in advance, so the loops ask for them explicitly.
+constexpr int64_t kPrefetchTokens = 16;
 
-// What to prefetch for a row: the whole token (every kv head: a contiguous run of
-// num_kv_heads * head_dim values), so the items of the other kv heads of this sequence and
-// partition, which run right after on the same thread, find it in cache.
-struct Span {
-  int64_t back;  // values from the row's start back to its token's start
-  int64_t len;   // values in the token
-};
-
-template <typename cache_t>
-inline void prefetch_row(const cache_t* row, Span span) {
-  const char* p = reinterpret_cast<const char*>(row - span.back);
-  for (int64_t off = 0; off < span.len * static_cast<int64_t>(sizeof(cache_t)); off += 64) {
-    _mm_prefetch(p + off, _MM_HINT_T0);
-  }
+// Fetch a whole token (every kv head: `bytes` contiguous bytes) into cache.
+inline void prefetch_token(const void* token, int64_t bytes) {
+  const char* p = static_cast<const char*>(token);
+  for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// scores[g * n + i + t] = q_g . row_t for t < count (<= 4) and g < NG.
+// scores[g * n + i + t] = q_g . (toks[t] + off)[0 : head_dim] for t < count (<= 4), g < NG.
 template <int NG, typename cache_t>
-inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* rows, int count,
-                    int64_t head_dim, float* scores, int64_t n, int64_t i) {
+inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int64_t off,
+                    int count, int64_t head_dim, float* scores, int64_t n, int64_t i) {
   const cache_t* r[4];
-  for (int t = 0; t < 4; ++t) r[t] = rows[std::min(t, count - 1)];  // pad with the last row
+  for (int t = 0; t < 4; ++t) r[t] = toks[std::min(t, count - 1)] + off;  // pad with the last
   __m256 acc[NG][4];
   for (int g = 0; g < NG; ++g)
     for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_setzero_ps();
@@ -146,25 +138,32 @@ inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* rows, int 
     }
   }
   for (int g = 0; g < NG; ++g) {
-    alignas(16) float out[4];
-    _mm_store_ps(out, hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]));
-    for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
+    const __m128 s = hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+    if (count == 4) {
+      _mm_storeu_ps(scores + g * n + i, s);
+    } else {
+      alignas(16) float out[4];
+      _mm_store_ps(out, s);
+      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
+    }
   }
 }
 
-// acc[g, d0 : d0 + 8 * CB] = sum_i p[g * n + i] * row_i[d0 : d0 + 8 * CB] for g < NG.
+// acc[g, d0 : d0 + 8 * CB] = sum_i p[g * n + i] * (toks[i] + off)[d0 : d0 + 8 * CB], g < NG.
+// With `token_bytes` > 0 the loop also prefetches the tokens kPrefetchTokens ahead.
 template <int NG, int CB, typename cache_t>
-inline void pv_tile(const float* p, int64_t n, const cache_t* const* rows, int64_t d0,
-                    float* acc /*[NG, D]*/, int64_t head_dim, Span span) {
+inline void pv_tile(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                    int64_t d0, float* acc /*[NG, D]*/, int64_t head_dim, int64_t token_bytes) {
   __m256 a[NG][CB];
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CB; ++c) a[g][c] = _mm256_setzero_ps();
   for (int64_t i = 0; i < n; ++i) {
-    if (d0 == 0 && i + kPrefetchRows < n) prefetch_row(rows[i + kPrefetchRows], span);
+    if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens], token_bytes);
     __m256 pb[NG];
     for (int g = 0; g < NG; ++g) pb[g] = _mm256_set1_ps(p[g * n + i]);
+    const cache_t* row = toks[i] + off + d0;
     for (int c = 0; c < CB; ++c) {
-      const __m256 v = load8(rows[i] + d0 + 8 * c);
+      const __m256 v = load8(row + 8 * c);
       for (int g = 0; g < NG; ++g) a[g][c] = _mm256_fmadd_ps(pb[g], v, a[g][c]);
     }
   }
@@ -173,142 +172,192 @@ inline void pv_tile(const float* p, int64_t n, const cache_t* const* rows, int64
 }
 
 template <int NG, typename cache_t>
-inline void qk_heads(const float* q, const cache_t* const* rows, int64_t n, int64_t head_dim,
-                     float* scores, Span span) {
-  for (int64_t i = 0; i < n; i += 4) {
-    for (int64_t j = i + kPrefetchRows; j < std::min(n, i + kPrefetchRows + 4); ++j) {
-      prefetch_row(rows[j], span);
-    }
-    qk_tile<NG>(q, rows + i, static_cast<int>(std::min<int64_t>(4, n - i)), head_dim, scores, n, i);
-  }
-}
-
-template <int NG, typename cache_t>
-inline void pv_heads(const float* p, int64_t n, const cache_t* const* rows, float* acc,
-                     int64_t head_dim, Span span) {
+inline void pv_heads(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                     float* acc, int64_t head_dim, int64_t token_bytes) {
   int64_t d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32) pv_tile<NG, 4>(p, n, rows, d0, acc, head_dim, span);
+  for (; d0 + 32 <= head_dim; d0 += 32, token_bytes = 0) {
+    pv_tile<NG, 4>(p, n, toks, off, d0, acc, head_dim, token_bytes);
+  }
   switch ((head_dim - d0) / 8) {
-    case 3: pv_tile<NG, 3>(p, n, rows, d0, acc, head_dim, span); break;
-    case 2: pv_tile<NG, 2>(p, n, rows, d0, acc, head_dim, span); break;
-    case 1: pv_tile<NG, 1>(p, n, rows, d0, acc, head_dim, span); break;
+    case 3: pv_tile<NG, 3>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 2: pv_tile<NG, 2>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 1: pv_tile<NG, 1>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
     default: break;
   }
 }
 
-// Every query head of the group, NG <= 3 at a time.
+// scores[h, i] = q_h . k_i for every query head h (scores [H, n], q [H, D]): token tiles
+// front to back, each tile's K values for all kv heads (one contiguous run per token)
+// before the next tile, NG <= 3 query heads of a group at a time.
 template <typename cache_t>
-void qk_group(const float* qg, const cache_t* const* rows, int64_t n, int64_t head_dim,
-              int64_t group, float* scores, Span span) {
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const float* q = qg + g0 * head_dim;
-    float* s = scores + g0 * n;
-    switch (std::min<int64_t>(3, group - g0)) {
-      case 3: qk_heads<3>(q, rows, n, head_dim, s, span); break;
-      case 2: qk_heads<2>(q, rows, n, head_dim, s, span); break;
-      default: qk_heads<1>(q, rows, n, head_dim, s, span); break;
+void qk_all(const float* q, const cache_t* const* k_toks, int64_t n, int64_t num_kv_heads,
+            int64_t head_dim, int64_t group, float* scores) {
+  const int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t i = 0; i < n; i += 4) {
+    for (int64_t j = i + kPrefetchTokens; j < std::min(n, i + kPrefetchTokens + 4); ++j) {
+      prefetch_token(k_toks[j], token_bytes);
+    }
+    const int count = static_cast<int>(std::min<int64_t>(4, n - i));
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      for (int64_t g0 = 0; g0 < group; g0 += 3) {
+        const int64_t head = h * group + g0;
+        const float* qh = q + head * head_dim;
+        float* s = scores + head * n;
+        switch (std::min<int64_t>(3, group - g0)) {
+          case 3: qk_tile<3>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+          case 2: qk_tile<2>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+          default: qk_tile<1>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+        }
+      }
     }
   }
 }
 
+// acc[h] = sum_i p[h, i] v_i for every query head h: one pass over the partition per
+// (kv head, NG query heads, 32 dims); the first pass prefetches whole tokens, the others
+// find them in cache (a partition's V is at most 256 tokens).
 template <typename cache_t>
-void pv_group(const float* scores, const cache_t* const* rows, int64_t n, int64_t head_dim,
-              int64_t group, float* acc, Span span) {
-  for (int64_t g0 = 0; g0 < group; g0 += 3) {
-    const float* p = scores + g0 * n;
-    float* a = acc + g0 * head_dim;
-    switch (std::min<int64_t>(3, group - g0)) {
-      case 3: pv_heads<3>(p, n, rows, a, head_dim, span); break;
-      case 2: pv_heads<2>(p, n, rows, a, head_dim, span); break;
-      default: pv_heads<1>(p, n, rows, a, head_dim, span); break;
+void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t num_kv_heads,
+            int64_t head_dim, int64_t group, float* acc) {
+  int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t h = 0; h < num_kv_heads; ++h) {
+    for (int64_t g0 = 0; g0 < group; g0 += 3, token_bytes = 0) {
+      const int64_t head = h * group + g0;
+      const float* ph = p + head * n;
+      float* a = acc + head * head_dim;
+      switch (std::min<int64_t>(3, group - g0)) {
+        case 3: pv_heads<3>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+        case 2: pv_heads<2>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+        default: pv_heads<1>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+      }
     }
   }
 }
 #endif
 
-// Calls f(i, row) for the partition's tokens in order, i = 0..n-1, row = the token's
-// head_dim values of kv head `kv_head`: one block-table lookup per block, not per token.
+// Calls f(i, token) for the partition's tokens in order, i = 0..n-1, token = the start of
+// the token's values (all kv heads): one block-table lookup per block, not per token.
 template <typename cache_t, typename F>
-inline void for_each_row(const Item& it, const cache_t* cache, const int64_t* block_table,
-                         int64_t block_size, int64_t token_stride, int64_t head_offset, F&& f) {
+inline void for_each_token(const Item& it, const cache_t* cache, const int64_t* block_table,
+                           int64_t block_size, int64_t token_stride, F&& f) {
   int64_t t = it.begin;
   while (t < it.end) {
     const int64_t block = block_table[t / block_size];
     const int64_t first = t % block_size;
     const int64_t rows = std::min(block_size - first, it.end - t);
-    const cache_t* base = cache + (block * block_size + first) * token_stride + head_offset;
+    const cache_t* base = cache + (block * block_size + first) * token_stride;
     for (int64_t r = 0; r < rows; ++r) f(t - it.begin + r, base + r * token_stride);
     t += rows;
   }
+}
+
+// s[i] <- exp(s[i] - max_i s[i]) for i < n; *max_out = the maximum, *sum_out = the sum of
+// the new s[i]. Eight lanes at a time where AVX2 is there (exp_approx8 takes the same
+// steps as exp_approx; only the order of the additions differs).
+inline void softmax_numerators(float* s, int64_t n, float* max_out, float* sum_out) {
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 8) {
+    __m256 mv = _mm256_loadu_ps(s);
+    for (i = 8; i + 8 <= n; i += 8) mv = _mm256_max_ps(mv, _mm256_loadu_ps(s + i));
+    __m128 x = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_max_ss(x, _mm_movehdup_ps(x));
+    m = _mm_cvtss_f32(x);
+  }
+#endif
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+  i = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 mb = _mm256_set1_ps(m);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
+    _mm256_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  sum = hsum(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = exp_approx(s[i] - m);
+    sum += s[i];
+  }
+  *max_out = m;
+  *sum_out = sum;
 }
 
 template <typename cache_t>
 void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled*/,
                  const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
-                 int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[G, P]*/,
-                 float* acc /*[G, D]*/, float* m_out /*[G]*/, float* s_out /*[G]*/) {
+                 int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[H, P]*/,
+                 float* acc /*[H, D]*/, float* m_out /*[H]*/, float* s_out /*[H]*/) {
   const int64_t n = it.end - it.begin;
+  const int64_t num_heads = num_kv_heads * group;
   const int64_t token_stride = num_kv_heads * head_dim;
-  const int64_t head_offset = it.kv_head * head_dim;
-  const float* qg = q + it.kv_head * group * head_dim;  // the group's query heads, [G, D]
-
 #if defined(PAGEDLM_TILED)
   const bool tiled = head_dim % 8 == 0;
 #else
   const bool tiled = false;
 #endif
-  const cache_t* k_rows[kPartition];
-  const cache_t* v_rows[kPartition];
+  const cache_t* k_toks[kMaxPartition];
+  const cache_t* v_toks[kMaxPartition];
+  for_each_token(it, k_cache, block_table, block_size, token_stride,
+                 [&](int64_t i, const cache_t* k) { k_toks[i] = k; });
+  for_each_token(it, v_cache, block_table, block_size, token_stride,
+                 [&](int64_t i, const cache_t* v) { v_toks[i] = v; });
   if (tiled) {
-    for_each_row(it, k_cache, block_table, block_size, token_stride, head_offset,
-                 [&](int64_t i, const cache_t* k) { k_rows[i] = k; });
-    for_each_row(it, v_cache, block_table, block_size, token_stride, head_offset,
-                 [&](int64_t i, const cache_t* v) { v_rows[i] = v; });
 #if defined(PAGEDLM_TILED)
-    qk_group(qg, k_rows, n, head_dim, group, scores, Span{head_offset, token_stride});
+    qk_all(q, k_toks, n, num_kv_heads, head_dim, group, scores);
 #endif
   } else {
-    for_each_row(it, k_cache, block_table, block_size, token_stride, head_offset,
-                 [&](int64_t i, const cache_t* k) {
-                   for (int64_t g = 0; g < group; ++g) scores[g * n + i] = dot(qg + g * head_dim, k, head_dim);
-                 });
-  }
-  if (soft_cap > 0.f || slopes != nullptr) {
-    for (int64_t g = 0; g < group; ++g) {
-      for (int64_t i = 0; i < n; ++i) {
-        float s = scores[g * n + i];
-        if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
-        if (slopes != nullptr) s += slopes[it.kv_head * group + g] * static_cast<float>(it.begin + i - q_pos);
-        scores[g * n + i] = s;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t h = 0; h < num_heads; ++h) {
+        scores[h * n + i] = dot(q + h * head_dim, k_toks[i] + (h / group) * head_dim, head_dim);
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * n;
-    float m = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : m)
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < n; ++i) {
-      s[i] = exp_approx(s[i] - m);
-      sum += s[i];
+  if (soft_cap > 0.f || slopes != nullptr) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t i = 0; i < n; ++i) {
+        float s = scores[h * n + i];
+        if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+        if (slopes != nullptr) s += slopes[h] * static_cast<float>(it.begin + i - q_pos);
+        scores[h * n + i] = s;
+      }
     }
-    m_out[g] = m;
-    s_out[g] = sum;
   }
+  for (int64_t h = 0; h < num_heads; ++h) softmax_numerators(scores + h * n, n, m_out + h, s_out + h);
   if (tiled) {
 #if defined(PAGEDLM_TILED)
-    pv_group(scores, v_rows, n, head_dim, group, acc, Span{head_offset, token_stride});
+    pv_all(scores, v_toks, n, num_kv_heads, head_dim, group, acc);
 #endif
     return;
   }
-  std::fill(acc, acc + group * head_dim, 0.f);
-  for_each_row(it, v_cache, block_table, block_size, token_stride, head_offset,
-               [&](int64_t i, const cache_t* v) {
-                 for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + i], v, acc + g * head_dim, head_dim);
-               });
+  std::fill(acc, acc + num_heads * head_dim, 0.f);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t h = 0; h < num_heads; ++h) {
+      axpy(scores[h * n + i], v_toks[i] + (h / group) * head_dim, acc + h * head_dim, head_dim);
+    }
+  }
+}
+
+// The partition size: kMaxPartition, halved (down to 32) while the batch has fewer than
+// four partitions per thread, so that a short batch of short sequences still spreads.
+inline int64_t partition_size(const std::vector<int64_t>& spans) {
+  int64_t items_at_max = 0;
+  for (int64_t span : spans) items_at_max += (span + kMaxPartition - 1) / kMaxPartition;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  int64_t part = kMaxPartition;
+  int64_t items = items_at_max;
+  while (part > 32 && items < want) {
+    part /= 2;
+    items = 0;
+    for (int64_t span : spans) items += (span + part - 1) / part;
+  }
+  return part;
 }
 
 template <typename cache_t>
@@ -323,32 +372,29 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
 
-  std::vector<Item> items;
-  std::vector<int64_t> first_slot(num_seqs * num_kv_heads + 1, 0);
-  int64_t slot = 0;
-  // Items run sequence by sequence, partition by partition, kv head by kv head: the kv
-  // heads of one token are adjacent in the cache, so consecutive items (one thread's
-  // share of them) read one contiguous stream. The partial results of each (sequence,
-  // kv head) stay consecutive slots for the merge below.
+  std::vector<int64_t> starts(num_seqs), spans(num_seqs);
   for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t len = seq_lens[b];
-    const int64_t start = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-    const int64_t num_parts = (len - start + kPartition - 1) / kPartition;
-    for (int64_t h = 0; h < num_kv_heads; ++h) first_slot[b * num_kv_heads + h] = slot + h * num_parts;
-    for (int64_t part = 0; part < num_parts; ++part) {
-      const int64_t p = start + part * kPartition;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        items.push_back({b, h, p, std::min(p + kPartition, len), slot + h * num_parts + part});
-      }
-    }
-    slot += num_kv_heads * num_parts;
+    starts[b] = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
+    spans[b] = seq_lens[b] - starts[b];
   }
-  first_slot[num_seqs * num_kv_heads] = slot;
+  const int64_t part = partition_size(spans);
+  // Items run sequence by sequence, partition by partition; the partial results of one
+  // sequence are consecutive slots for the merge below.
+  std::vector<Item> items;
+  std::vector<int64_t> first_slot(num_seqs + 1, 0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    first_slot[b] = static_cast<int64_t>(items.size());
+    for (int64_t p = starts[b]; p < seq_lens[b]; p += part) {
+      items.push_back({b, p, std::min(p + part, seq_lens[b]), static_cast<int64_t>(items.size())});
+    }
+  }
+  const int64_t slots = static_cast<int64_t>(items.size());
+  first_slot[num_seqs] = slots;
 
   auto opts = torch::TensorOptions().dtype(torch::kFloat);
-  torch::Tensor acc = torch::empty({slot, group, head_dim}, opts);
-  torch::Tensor maxes = torch::empty({slot, group}, opts);
-  torch::Tensor sums = torch::empty({slot, group}, opts);
+  torch::Tensor acc = torch::empty({slots, num_heads, head_dim}, opts);
+  torch::Tensor maxes = torch::empty({slots, num_heads}, opts);
+  torch::Tensor sums = torch::empty({slots, num_heads}, opts);
   float* acc_p = acc.data_ptr<float>();
   float* max_p = maxes.data_ptr<float>();
   float* sum_p = sums.data_ptr<float>();
@@ -357,40 +403,45 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   const cache_t* v_p = v_cache.data_ptr<cache_t>();
   const int64_t* bt_p = block_tables.data_ptr<int64_t>();
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(group * kPartition);
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(num_heads * part);
     for (int64_t i = begin; i < end; ++i) {
       const Item& it = items[i];
       decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
                            bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
                            seq_lens[it.seq] - 1, soft_cap, slopes, scores.data(),
-                           acc_p + it.slot * group * head_dim, max_p + it.slot * group,
-                           sum_p + it.slot * group);
+                           acc_p + it.slot * num_heads * head_dim, max_p + it.slot * num_heads,
+                           sum_p + it.slot * num_heads);
     }
   });
 
   float* out_p = out.data_ptr<float>();
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / num_kv_heads, h = bh % num_kv_heads;
-      const int64_t s0 = first_slot[bh], s1 = first_slot[bh + 1];
-      for (int64_t g = 0; g < group; ++g) {
-        float* o = out_p + (b * num_heads + h * group + g) * head_dim;
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t s = s0; s < s1; ++s) m = std::max(m, max_p[s * group + g]);
-        float denom = 0.f;
-        std::fill(o, o + head_dim, 0.f);
-        for (int64_t s = s0; s < s1; ++s) {
-          const float w = std::exp(max_p[s * group + g] - m);
-          denom += w * sum_p[s * group + g];
-          const float* a = acc_p + (s * group + g) * head_dim;
+      const int64_t b = bh / num_heads, h = bh % num_heads;
+      const int64_t s0 = first_slot[b], s1 = first_slot[b + 1];
+      float* o = out_p + bh * head_dim;
+      if (s1 - s0 == 1) {  // one partition: nothing to merge
+        const float inv = 1.f / sum_p[s0 * num_heads + h];
+        const float* a = acc_p + (s0 * num_heads + h) * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
-        }
-        const float inv = 1.f / denom;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
+        continue;
       }
+      float m = -std::numeric_limits<float>::infinity();
+      for (int64_t s = s0; s < s1; ++s) m = std::max(m, max_p[s * num_heads + h]);
+      float denom = 0.f;
+      std::fill(o, o + head_dim, 0.f);
+      for (int64_t s = s0; s < s1; ++s) {
+        const float w = std::exp(max_p[s * num_heads + h] - m);
+        denom += w * sum_p[s * num_heads + h];
+        const float* a = acc_p + (s * num_heads + h) * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) o[d] += w * a[d];
+      }
+      const float inv = 1.f / denom;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
     }
   });
 }
