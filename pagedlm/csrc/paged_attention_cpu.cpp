@@ -40,11 +40,11 @@ using namespace pagedlm_vec;
 // every thread several items (a short batch of short sequences).
 constexpr int64_t kMaxPartition = 256;
 
+// Item i's partial results are slot i.
 struct Item {
   int64_t seq;
   int64_t begin;  // first context token of the partition
   int64_t end;    // one past the last
-  int64_t slot;   // index of this item's partial results
 };
 
 // Row access: `dot` and `axpy` over one K/V row of head_dim values in the cache dtype.
@@ -235,18 +235,15 @@ void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t num
 }
 #endif
 
-// Calls f(i, token) for the partition's tokens in order, i = 0..n-1, token = the start of
-// the token's values (all kv heads): one block-table lookup per block, not per token.
-template <typename cache_t, typename F>
-inline void for_each_token(const Item& it, const cache_t* cache, const int64_t* block_table,
-                           int64_t block_size, int64_t token_stride, F&& f) {
-  int64_t t = it.begin;
-  while (t < it.end) {
-    const int64_t block = block_table[t / block_size];
+// offsets[i] = where the partition's token i starts in a layer's K (or V) cache, in
+// values (all kv heads of the token follow): one block-table lookup per block.
+inline void token_offsets(const Item& it, const int64_t* block_table, int64_t block_size,
+                          int64_t token_stride, int64_t* offsets) {
+  for (int64_t t = it.begin; t < it.end;) {
     const int64_t first = t % block_size;
     const int64_t rows = std::min(block_size - first, it.end - t);
-    const cache_t* base = cache + (block * block_size + first) * token_stride;
-    for (int64_t r = 0; r < rows; ++r) f(t - it.begin + r, base + r * token_stride);
+    const int64_t base = (block_table[t / block_size] * block_size + first) * token_stride;
+    for (int64_t r = 0; r < rows; ++r) offsets[t - it.begin + r] = base + r * token_stride;
     t += rows;
   }
 }
@@ -302,12 +299,14 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
 #else
   const bool tiled = false;
 #endif
+  int64_t offsets[kMaxPartition];
+  token_offsets(it, block_table, block_size, token_stride, offsets);
   const cache_t* k_toks[kMaxPartition];
   const cache_t* v_toks[kMaxPartition];
-  for_each_token(it, k_cache, block_table, block_size, token_stride,
-                 [&](int64_t i, const cache_t* k) { k_toks[i] = k; });
-  for_each_token(it, v_cache, block_table, block_size, token_stride,
-                 [&](int64_t i, const cache_t* v) { v_toks[i] = v; });
+  for (int64_t i = 0; i < n; ++i) {
+    k_toks[i] = k_cache + offsets[i];
+    v_toks[i] = v_cache + offsets[i];
+  }
   if (tiled) {
 #if defined(PAGEDLM_TILED)
     qk_all(q, k_toks, n, num_kv_heads, head_dim, group, scores);
@@ -347,16 +346,14 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
 // The partition size: kMaxPartition, halved (down to 32) while the batch has fewer than
 // four partitions per thread, so that a short batch of short sequences still spreads.
 inline int64_t partition_size(const std::vector<int64_t>& spans) {
-  int64_t items_at_max = 0;
-  for (int64_t span : spans) items_at_max += (span + kMaxPartition - 1) / kMaxPartition;
+  const auto num_items = [&](int64_t part) {
+    int64_t items = 0;
+    for (int64_t span : spans) items += (span + part - 1) / part;
+    return items;
+  };
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   int64_t part = kMaxPartition;
-  int64_t items = items_at_max;
-  while (part > 32 && items < want) {
-    part /= 2;
-    items = 0;
-    for (int64_t span : spans) items += (span + part - 1) / part;
-  }
+  while (part > 32 && num_items(part) < want) part /= 2;
   return part;
 }
 
@@ -385,7 +382,7 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
   for (int64_t b = 0; b < num_seqs; ++b) {
     first_slot[b] = static_cast<int64_t>(items.size());
     for (int64_t p = starts[b]; p < seq_lens[b]; p += part) {
-      items.push_back({b, p, std::min(p + part, seq_lens[b]), static_cast<int64_t>(items.size())});
+      items.push_back({b, p, std::min(p + part, seq_lens[b])});
     }
   }
   const int64_t slots = static_cast<int64_t>(items.size());
@@ -410,8 +407,8 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
                            bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
                            seq_lens[it.seq] - 1, soft_cap, slopes, scores.data(),
-                           acc_p + it.slot * num_heads * head_dim, max_p + it.slot * num_heads,
-                           sum_p + it.slot * num_heads);
+                           acc_p + i * num_heads * head_dim, max_p + i * num_heads,
+                           sum_p + i * num_heads);
     }
   });
 
@@ -421,13 +418,6 @@ void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tens
       const int64_t b = bh / num_heads, h = bh % num_heads;
       const int64_t s0 = first_slot[b], s1 = first_slot[b + 1];
       float* o = out_p + bh * head_dim;
-      if (s1 - s0 == 1) {  // one partition: nothing to merge
-        const float inv = 1.f / sum_p[s0 * num_heads + h];
-        const float* a = acc_p + (s0 * num_heads + h) * head_dim;
-#pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = a[d] * inv;
-        continue;
-      }
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t s = s0; s < s1; ++s) m = std::max(m, max_p[s * num_heads + h]);
       float denom = 0.f;
