@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pagedlm.attention.cpu_kernels import load_cpu_kernels
+from pagedlm.csrc import CFLAGS, LDFLAGS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 9, 3, 64, 16, 5825, 30
 REPO = Path(__file__).resolve().parents[2]
@@ -35,7 +36,7 @@ def build_revision(rev: str, workdir: Path):
         (workdir / Path(path).name).write_text(text)
     name = "pagedlm_attention_rev_" + "".join(c for c in rev if c.isalnum())
     return load(name=name, sources=[str(workdir / "paged_attention_cpu.cpp")],
-                extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                 build_directory=str(workdir), verbose=False)
 
 

@@ -20,6 +20,9 @@ logger = logging.getLogger(__name__)
 
 CSRC_DIR = Path(__file__).resolve().parent
 DISABLE_ENV = "PAGEDLM_DISABLE_CPU_KERNELS"
+# Compiler and linker flags of every kernel in this directory.
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
 
 
 def _cpu_tag() -> str:
@@ -45,8 +48,8 @@ def load_extension(stem: str) -> ModuleType | None:
         return load(
             name=f"pagedlm_{stem}_{_cpu_tag()}",
             sources=[str(source)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
+            extra_cflags=CFLAGS,
+            extra_ldflags=LDFLAGS,
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a read-only cache, ...
