@@ -42,21 +42,17 @@ def summarize(path: str, top: int = 30) -> None:
 
 
 def profile(num_prompts: int, float32: bool) -> None:
-    from pagedlm import LLM, SamplingParams
+    from pagedlm import LLM
     from pagedlm.benchmarks.datasets import sample_sharegpt
+    from pagedlm.benchmarks.throughput import run_pagedlm
 
     kwargs = {} if float32 else {"weight_dtype": "float16", "kv_cache_dtype": "float16"}
     llm = LLM(num_threads=2, **kwargs)
     requests = sample_sharegpt(llm.get_tokenizer(), num_prompts, seed=0)
-    prompts = [r.prompt for r in requests]
-    params = [SamplingParams(temperature=1.0, top_p=1.0, max_tokens=r.output_len, ignore_eos=True)
-              for r in requests]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
     engine = llm.llm_engine
-    engine.reset_prefix_cache()
 
     steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
-    execute = engine.runner.execute_model
+    execute, generate = engine.runner.execute_model, llm.generate
 
     def timed(sched):
         start = time.perf_counter()
@@ -66,14 +62,17 @@ def profile(num_prompts: int, float32: bool) -> None:
         steps.append((decodes, prefill, time.perf_counter() - start))
         return out
 
-    engine.runner.execute_model = timed
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    def generate_afresh(*args, **kw):  # keeps only the steps of the last (timed) call
+        steps.clear()
+        return generate(*args, **kw)
+
+    engine.runner.execute_model, llm.generate = timed, generate_afresh
+    # The very run of `pagedlm bench throughput`: warm-up, then every request at once.
+    result = run_pagedlm(llm, requests, use_tqdm=False)
     model_s = sum(s[2] for s in steps)
-    print(f"{num_prompts} requests: {elapsed:.1f} s, {generated} output tokens, "
-          f"{generated / elapsed:.1f} tok/s; {len(steps)} steps, {model_s:.1f} s in the model runner")
+    print(f"{num_prompts} requests: {result['elapsed_s']:.1f} s, {result['output_tokens']} output "
+          f"tokens, {result['output_tokens_per_s']:.1f} tok/s; {len(steps)} steps, "
+          f"{model_s:.1f} s in the model runner")
     buckets: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0, 0, 0])
     for decodes, prefill, seconds in steps:
         kind = "prefill" if prefill else "decode"
