@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from pagedlm.layers.block_weights import (
-    MAX_ROWS_OVER_FP16,
     MAX_ROWS_OVER_FP32,
+    MAX_ROWS_OVER_PACKED,
     BlockWeight,
     BlockWeightMatmul,
     attach_block_weights,
@@ -202,7 +202,7 @@ def test_attach_wraps_the_existing_path(fp16):
     wrapper = model[0].matmul
     assert wrapper.fallback == previous
     assert not isinstance(model[1].__dict__.get("matmul"), BlockWeightMatmul)
-    assert wrapper.max_rows == (MAX_ROWS_OVER_FP16 if fp16 else MAX_ROWS_OVER_FP32)
+    assert wrapper.max_rows == (MAX_ROWS_OVER_PACKED if fp16 else MAX_ROWS_OVER_FP32)
     x = torch.randn(3, 64)  # the block path: the exact weights, not their float16 rounding
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, weight, model[0].bias))
 
@@ -233,7 +233,8 @@ def test_greedy_same_tokens_with_and_without_kernel(llm):
     layers = _block_layers(model)
     assert len(layers) == 4 * 30 + 1  # qkv, o, gate_up, down per layer + the (tied) LM head
     assert {m.matmul.ggml_type for m in layers} == {Q4_1, Q8_0}
-    assert {m.matmul.max_rows for m in layers} == {MAX_ROWS_OVER_FP32}  # float32 weights
+    # float32 weights, packed in panels (layers/panel_weights.py) for larger inputs
+    assert {m.matmul.max_rows for m in layers} == {MAX_ROWS_OVER_PACKED}
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in
                ("What is the capital of France?", "Write a haiku about the sea.",
                 "List three primary colours.")]

@@ -47,16 +47,26 @@ def test_rejects_unknown_kv_cache_dtype():
 
 
 def test_float16_weights_close_to_float32(tiny_llama_dir):
-    """weight_dtype='float16': every linear layer and the LM head packed for fbgemm's fp16
-    GEMM; results within float16 rounding of the weights, greedy tokens unchanged here."""
-    from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
+    """weight_dtype='float16': every linear layer and the LM head holds float16 weights
+    (panels, or fbgemm's packing without the panel kernel); results within float16 rounding
+    of the weights, greedy tokens unchanged here."""
+    import torch
 
-    if not fp16_weights_supported():
-        pytest.skip("no fbgemm")
+    from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
+    from pagedlm.layers.panel_weights import PanelWeightMatmul, panel_kernels
+
+    if panel_kernels() is None and not fp16_weights_supported():
+        pytest.skip("neither the panel kernel nor fbgemm")
     llm32, outs32 = _generate(tiny_llama_dir)
     llm16, outs16 = _generate(tiny_llama_dir, weight_dtype="float16")
     model = llm16.llm_engine.model
-    packed = [m for m in model.modules() if isinstance(m.__dict__.get("matmul"), Fp16WeightMatmul)]
+
+    def float16_matmul(m):
+        mm = m.__dict__.get("matmul")
+        return isinstance(mm, Fp16WeightMatmul) or (
+            isinstance(mm, PanelWeightMatmul) and mm.panels.dtype == torch.float16)
+
+    packed = [m for m in model.modules() if float16_matmul(m)]
     num_layers = len(model.model.layers)
     assert len(packed) == 4 * num_layers + 1  # qkv, o, gate_up, down per layer + LM head
     for a, b in zip(outs32, outs16):

@@ -135,13 +135,14 @@ class LLMEngine:
             from pagedlm.layers.block_weights import attach_block_weights, recover_block_weights
 
             block_weights = recover_block_weights(self.model)
-        if args.weight_dtype == "float16":
-            from pagedlm.layers.fp16_weights import pack_weights_fp16
+        if args.weight_dtype == "float16" and (self.device.type != "cpu"
+                                               or self.dtype != torch.float32):
+            raise ValueError("weight_dtype='float16' is for float32 models on CPU; on GPUs "
+                             "set dtype='float16' instead")
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            from pagedlm.layers.panel_weights import pack_cpu_weights
 
-            if self.device.type != "cpu" or self.dtype != torch.float32:
-                raise ValueError("weight_dtype='float16' is for float32 models on CPU; on GPUs "
-                                 "set dtype='float16' instead")
-            pack_weights_fp16(self.model)
+            logger.info("CPU linear weights: %s", pack_cpu_weights(self.model, args.weight_dtype))
         if block_weights:
             logger.info("block kernel for small batches on %d layers (GGUF Q4_1/Q8_0 weights)",
                         attach_block_weights(block_weights))

@@ -47,7 +47,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="KV cache storage type (auto: the model dtype)")
     g.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "half", "fp16"],
                    help="float16: linear weights stored in float16 and multiplied in float32 "
-                        "(CPU; about 2x faster small-batch decode)")
+                        "(CPU; half the weight bytes per step)")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],

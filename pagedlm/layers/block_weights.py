@@ -19,7 +19,9 @@ Measured on the 2-core dev box (benchmarks/cpu/weight_stream.py: SmolLM2-135M's 
 matmul time per step, float32 / float16 (fbgemm) / blocks (96 MB):
 1 row 42 / 17 / 8.5 ms, 2 rows 73 / 17 / 9.9 ms, 4 rows 80 / 21 / 13 ms,
 8 rows 88 / 28 / 23 ms, 12 rows - / 33 / 35 ms, 16 rows 92 / 45 / 53 ms.
-Hence the row limits: up to 8 rows over float16 weights, up to 16 over float32.
+Hence the row limits: up to 8 rows over float16 weights, up to 16 over float32 (F.linear).
+Panel-packed weights (layers/panel_weights.py) keep the limit of 8: at 8 rows the panel
+kernel takes 29 ms over float32 and 35 ms over float16 panels (benchmarks/cpu/panel_gemm.py).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ BLOCK = 32
 BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}
 # Inputs with more rows go to the layer's existing path: the crossovers measured against
 # float16 (fbgemm) and float32 (F.linear) weights, in the module docstring.
-MAX_ROWS_OVER_FP16 = 8
-MAX_ROWS_OVER_FP32 = 16
+MAX_ROWS_OVER_PACKED = 8  # over float16 (fbgemm) or panel-packed weights
+MAX_ROWS_OVER_FP32 = 16  # over F.linear
 # Blocks recovered per numpy pass: ~1 MB of float32, so every pass over a chunk stays in cache.
 _CHUNK_BLOCKS = 8192
 # float16 steps tried around the first estimate of a block's scale, in order.
@@ -248,11 +250,12 @@ def attach_block_weights(found: list[tuple[nn.Module, BlockWeight]]) -> int:
     """Route small inputs of each layer in `found` to the block kernel, wrapping whatever
     `matmul` the layer has now (float16 packing included). Returns the number of layers."""
     from pagedlm.layers.fp16_weights import Fp16WeightMatmul
+    from pagedlm.layers.panel_weights import PanelWeightMatmul
 
     kernels = block_kernels()
     for module, weight in found:
         fallback = module.matmul
-        max_rows = (MAX_ROWS_OVER_FP16 if isinstance(fallback, Fp16WeightMatmul)
+        max_rows = (MAX_ROWS_OVER_PACKED if isinstance(fallback, Fp16WeightMatmul | PanelWeightMatmul)
                     else MAX_ROWS_OVER_FP32)
         module.matmul = BlockWeightMatmul(weight, fallback, max_rows, kernels)
     return len(found)

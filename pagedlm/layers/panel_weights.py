@@ -1,0 +1,85 @@
+"""Linear weights packed in 16-column panels for the CPU panel GEMM (csrc/panel_gemm_cpu.cpp).
+
+At the row counts of decode steps torch's float32 GEMM on our 2-core dev box reaches a
+third of the FMA units' rate; the panel kernel reaches most of what the FMA units allow
+(benchmarks/cpu/panel_gemm.py). Float32 panels keep float32 models' maths exact up to the
+order of the sums; float16 panels are the `weight_dtype='float16'` storage (each weight
+rounded to float16 once, widened back to float32 in the kernel).
+
+    packed [ceil(N / 16), K, 16]    packed[p, k, j] = W[16 p + j, k]   (0 past N)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedlm.csrc import load_extension
+
+PANEL = 16
+
+
+def panel_kernels():
+    """The compiled kernel module, or None (no compiler, or PAGEDLM_DISABLE_CPU_KERNELS)."""
+    return load_extension("panel_gemm_cpu")
+
+
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """W [N, K] -> panels [ceil(N / 16), K, 16] of `dtype` (float32 or float16)."""
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // PANEL) * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight.detach()
+    return padded.view(-1, PANEL, k).transpose(1, 2).contiguous().to(dtype)  # [P, K, 16]
+
+
+class PanelWeightMatmul:
+    """`x @ W.T (+ bias)` with W packed in panels; x float32 (other dtypes are cast)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype, kernels=None) -> None:
+        if weight.device.type != "cpu":
+            raise ValueError("panel packing is for CPU weights")
+        kernels = kernels or panel_kernels()
+        assert kernels is not None, "the panel kernel is not built"
+        self.out_features, self.in_features = weight.shape
+        self.panels = pack_panels(weight, dtype)
+        self.gemm = kernels.panel_gemm
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float().contiguous()  # [rows, in_features]
+        y = self.gemm(x2, self.panels, self.out_features, None if bias is None else bias.float())
+        return y.to(x.dtype).view(*lead, self.out_features)  # [..., out_features]
+
+
+def pack_weights_panels(model: nn.Module, dtype: torch.dtype) -> int:
+    """Give every linear layer and the LM head of `model` panel-packed weights of `dtype`
+    (their [N, K] copies are dropped; a tied LM head keeps the embedding it shares).
+    Returns the number of layers packed; 0 when the kernel is not available."""
+    from pagedlm.layers.embedding import ParallelLMHead
+    from pagedlm.layers.linear import LinearBase
+
+    kernels = panel_kernels()
+    if kernels is None:
+        return 0
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase | ParallelLMHead) and module.weight.device.type == "cpu":
+            module.matmul = PanelWeightMatmul(module.weight, dtype, kernels)
+            if isinstance(module, LinearBase):
+                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            count += 1
+    return count
+
+
+def pack_cpu_weights(model: nn.Module, weight_dtype: str) -> str:
+    """Pack the linear weights of a float32 CPU model for its matmuls: float32 panels for
+    `weight_dtype='auto'`, float16 panels for 'float16' (fbgemm's float16 GEMM where the
+    panel kernel is not built). Returns what was done, for the log."""
+    if weight_dtype == "float16":
+        if pack_weights_panels(model, torch.float16) == 0:
+            from pagedlm.layers.fp16_weights import pack_weights_fp16
+
+            return f"float16 (fbgemm) on {pack_weights_fp16(model)} layers"
+        return "float16 panels"
+    count = pack_weights_panels(model, torch.float32)
+    return f"float32 panels on {count} layers" if count else "float32 (F.linear)"
