@@ -33,7 +33,7 @@ class EngineArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16
-    # float16: linear weights stored in float16, multiplied in float32 (CPU panel GEMM)
+    # float16: linear weights stored in float16, multiplied in float32 (CPU: fbgemm)
     weight_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0

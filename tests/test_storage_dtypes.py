@@ -48,7 +48,7 @@ def test_rejects_unknown_kv_cache_dtype():
 
 def test_float16_weights_close_to_float32(tiny_llama_dir):
     """weight_dtype='float16': every linear layer and the LM head holds float16 weights
-    (panels, or fbgemm's packing without the panel kernel); results within float16 rounding
+    (fbgemm's packing, or float16 panels without fbgemm); results within float16 rounding
     of the weights, greedy tokens unchanged here."""
     import torch
 

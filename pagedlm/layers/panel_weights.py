@@ -3,8 +3,8 @@
 At the row counts of decode steps torch's float32 GEMM on our 2-core dev box reaches a
 third of the FMA units' rate; the panel kernel reaches most of what the FMA units allow
 (benchmarks/cpu/panel_gemm.py). Float32 panels keep float32 models' maths exact up to the
-order of the sums; float16 panels are the `weight_dtype='float16'` storage (each weight
-rounded to float16 once, widened back to float32 in the kernel).
+order of the sums; float16 panels hold `weight_dtype='float16'` weights where torch has no
+fbgemm (each weight rounded to float16 once, widened back to float32 in the kernel).
 
     packed [ceil(N / 16), K, 16]    packed[p, k, j] = W[16 p + j, k]   (0 past N)
 """
@@ -73,13 +73,18 @@ def pack_weights_panels(model: nn.Module, dtype: torch.dtype) -> int:
 
 def pack_cpu_weights(model: nn.Module, weight_dtype: str) -> str:
     """Pack the linear weights of a float32 CPU model for its matmuls: float32 panels for
-    `weight_dtype='auto'`, float16 panels for 'float16' (fbgemm's float16 GEMM where the
-    panel kernel is not built). Returns what was done, for the log."""
-    if weight_dtype == "float16":
-        if pack_weights_panels(model, torch.float16) == 0:
-            from pagedlm.layers.fp16_weights import pack_weights_fp16
+    `weight_dtype='auto'`; for 'float16', fbgemm's float16 GEMM, or float16 panels where
+    torch has no fbgemm. (Interleaved end to end on the ShareGPT benchmark, float16 panels
+    and fbgemm were level within noise, fbgemm 2% ahead.) Returns what was done, for the log."""
+    from pagedlm.layers.fp16_weights import fp16_weights_supported, pack_weights_fp16
 
+    if weight_dtype == "float16":
+        if fp16_weights_supported():
             return f"float16 (fbgemm) on {pack_weights_fp16(model)} layers"
-        return "float16 panels"
+        count = pack_weights_panels(model, torch.float16)
+        if count == 0:
+            raise ValueError("weight_dtype='float16' needs torch's fbgemm backend or the "
+                             "C++ panel kernel, and neither is available")
+        return f"float16 panels on {count} layers"
     count = pack_weights_panels(model, torch.float32)
     return f"float32 panels on {count} layers" if count else "float32 (F.linear)"
