@@ -124,3 +124,21 @@ def test_pack_weights_panels_replaces_every_linear_and_keeps_a_tied_embedding():
     torch.testing.assert_close(head(x), expected_head, rtol=1e-5, atol=1e-5)
     h = torch.randn(4, 48)
     torch.testing.assert_close(proj(h), F.linear(h, weights[id(proj)], proj.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_cpu_weights_picks_the_path_per_weight_dtype(monkeypatch):
+    import pagedlm.layers.fp16_weights as fp16_weights
+    from pagedlm.layers.panel_weights import pack_cpu_weights
+
+    def model():
+        layer = ReplicatedLinear(32, 20, bias=False)
+        layer.weight.data.normal_()
+        return torch.nn.ModuleList([layer])
+
+    m = model()
+    assert pack_cpu_weights(m, "auto") == "float32 panels on 1 layers"
+    assert m[0].matmul.panels.dtype == torch.float32
+    monkeypatch.setattr(fp16_weights, "fp16_weights_supported", lambda: False)
+    m = model()
+    assert pack_cpu_weights(m, "float16") == "float16 panels on 1 layers"  # no fbgemm
+    assert m[0].matmul.panels.dtype == torch.float16

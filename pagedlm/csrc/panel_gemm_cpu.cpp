@@ -3,8 +3,8 @@
 // products and sums in float32).
 //
 // Why not F.linear: at the row counts of decode steps (8 to 64 rows) torch's float32 GEMM on
-// the 2-core dev box (MKL on an AMD CPU) reaches 30 to 60 GFLOP/s, under a third of the FMA
-// units' rate; this kernel reaches 110 to 140 (benchmarks/cpu/panel_gemm.py).
+// the 2-core dev box (MKL on an AMD CPU) reaches 22 to 80 GFLOP/s of the FMA units' 200
+// (benchmarks/cpu/fma_peak.py); this kernel 60 to 122 (benchmarks/cpu/panel_gemm.py).
 //
 // Layout: W [N, K] is packed as panels of 16 output features, k-major inside a panel, so
 // the micro-kernel reads one contiguous 64-byte (32 for float16) row of a panel per k:

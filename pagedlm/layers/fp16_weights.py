@@ -41,16 +41,8 @@ def pack_weights_fp16(model: nn.Module) -> int:
     """Give every linear layer and the LM head of `model` float16 weights (their float32
     copies are dropped; a tied LM head keeps the embedding it shares). Returns the number
     of layers packed."""
-    from pagedlm.layers.embedding import ParallelLMHead
-    from pagedlm.layers.linear import LinearBase
+    from pagedlm.layers.linear import repack_linear_weights
 
     if not fp16_weights_supported():
         raise ValueError("weight_dtype='float16' needs torch's fbgemm backend (x86 CPUs)")
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead):
-            module.matmul = Fp16WeightMatmul(module.weight)
-            if isinstance(module, LinearBase):
-                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            count += 1
-    return count
+    return repack_linear_weights(model, Fp16WeightMatmul)

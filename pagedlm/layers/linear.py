@@ -151,3 +151,20 @@ class RowParallelLinear(LinearBase):
         # The bias is added once, after the reduction.
         y = all_reduce(self.matmul(x, None))
         return y + self.bias if self.bias is not None else y
+
+
+def repack_linear_weights(model: nn.Module, make_matmul) -> int:
+    """Give every CPU linear layer and LM head of `model` the `matmul` that
+    `make_matmul(weight)` builds from its [out, in] weight (a packed copy), dropping the
+    linear layers' own weights; a tied LM head keeps the embedding it shares. Returns the
+    number of layers repacked."""
+    from pagedlm.layers.embedding import ParallelLMHead
+
+    count = 0
+    for module in model.modules():
+        if isinstance(module, LinearBase | ParallelLMHead) and module.weight.device.type == "cpu":
+            module.matmul = make_matmul(module.weight)
+            if isinstance(module, LinearBase):
+                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+            count += 1
+    return count

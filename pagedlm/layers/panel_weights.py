@@ -1,8 +1,8 @@
 """Linear weights packed in 16-column panels for the CPU panel GEMM (csrc/panel_gemm_cpu.cpp).
 
-At the row counts of decode steps torch's float32 GEMM on our 2-core dev box reaches a
-third of the FMA units' rate; the panel kernel reaches most of what the FMA units allow
-(benchmarks/cpu/panel_gemm.py). Float32 panels keep float32 models' maths exact up to the
+At the row counts of decode steps (8-64 rows) torch's float32 GEMM on our 2-core dev box
+reaches 22-80 GFLOP/s and the panel kernel 60-122, of the FMA units' 200
+(benchmarks/cpu/panel_gemm.py, benchmarks/cpu/fma_peak.py). Float32 panels keep float32 models' maths exact up to the
 order of the sums; float16 panels hold `weight_dtype='float16'` weights where torch has no
 fbgemm (each weight rounded to float16 once, widened back to float32 in the kernel).
 
@@ -55,20 +55,12 @@ def pack_weights_panels(model: nn.Module, dtype: torch.dtype) -> int:
     """Give every linear layer and the LM head of `model` panel-packed weights of `dtype`
     (their [N, K] copies are dropped; a tied LM head keeps the embedding it shares).
     Returns the number of layers packed; 0 when the kernel is not available."""
-    from pagedlm.layers.embedding import ParallelLMHead
-    from pagedlm.layers.linear import LinearBase
+    from pagedlm.layers.linear import repack_linear_weights
 
     kernels = panel_kernels()
     if kernels is None:
         return 0
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead) and module.weight.device.type == "cpu":
-            module.matmul = PanelWeightMatmul(module.weight, dtype, kernels)
-            if isinstance(module, LinearBase):
-                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            count += 1
-    return count
+    return repack_linear_weights(model, lambda weight: PanelWeightMatmul(weight, dtype, kernels))
 
 
 def pack_cpu_weights(model: nn.Module, weight_dtype: str) -> str:
