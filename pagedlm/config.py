@@ -13,6 +13,7 @@ GiB = 1 << 30
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 DEVICES = ("auto", "cpu", "cuda")
+WEIGHT_DTYPES = ("auto", "float16", "q8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
@@ -33,7 +34,9 @@ class EngineArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16
-    # float16: linear weights stored in float16, multiplied in float32 (CPU: fbgemm)
+    # float16: linear weights stored in float16, multiplied in float32 (CPU: fbgemm);
+    # q8 (CPU): integer matmuls, GGUF Q4_1/Q8_0 weights as stored (others rounded to Q8_0),
+    # activations rounded to int8 per 32 values, as llama.cpp computes
     weight_dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
@@ -61,8 +64,8 @@ class EngineArgs:
             raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
         weight_dtype = DTYPE_ALIASES.get(self.weight_dtype, self.weight_dtype)
         object.__setattr__(self, "weight_dtype", weight_dtype)
-        if weight_dtype not in ("auto", "float16"):
-            raise ValueError(f"weight_dtype must be 'auto' or 'float16', got {self.weight_dtype!r}")
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight_dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:

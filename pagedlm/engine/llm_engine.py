@@ -128,20 +128,24 @@ class LLMEngine:
         # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
         self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
                                  self.device, args.load_format, args.seed)
-        # Weights that are exactly GGUF blocks (a Q4_1 / Q8_0 file) also keep that form for
-        # small batches; found before float16 packing drops the float32 copies.
+        # CPU float32 models: weight_dtype='q8' multiplies in int8 (layers/q8_weights.py);
+        # otherwise the weights are packed for float32 (or float16) matmuls, and those that are
+        # exactly GGUF blocks (a Q4_1 / Q8_0 file) also keep that form for small batches,
+        # found before the packing drops the float32 copies.
         block_weights = []
-        if self.device.type == "cpu" and self.dtype == torch.float32:
+        if args.weight_dtype != "auto" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"weight_dtype={args.weight_dtype!r} is for float32 models on CPU; "
+                             "on GPUs set dtype='float16' instead")
+        if args.weight_dtype == "q8":
+            from pagedlm.layers.q8_weights import pack_weights_q8
+
+            logger.info("CPU linear weights: %s", pack_weights_q8(self.model))
+        elif self.device.type == "cpu" and self.dtype == torch.float32:
             from pagedlm.layers.block_weights import attach_block_weights, recover_block_weights
 
-            block_weights = recover_block_weights(self.model)
-        if args.weight_dtype == "float16" and (self.device.type != "cpu"
-                                               or self.dtype != torch.float32):
-            raise ValueError("weight_dtype='float16' is for float32 models on CPU; on GPUs "
-                             "set dtype='float16' instead")
-        if self.device.type == "cpu" and self.dtype == torch.float32:
             from pagedlm.layers.panel_weights import pack_cpu_weights
 
+            block_weights = recover_block_weights(self.model)
             logger.info("CPU linear weights: %s", pack_cpu_weights(self.model, args.weight_dtype))
         if block_weights:
             logger.info("block kernel for small batches on %d layers (GGUF Q4_1/Q8_0 weights)",
@@ -228,7 +232,7 @@ class LLMEngine:
             "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
             block_size, capacity, self.max_model_len, self.attention_backend,
-            "float16" if args.weight_dtype == "float16" else str(self.dtype).removeprefix("torch."),
+            args.weight_dtype if args.weight_dtype != "auto" else str(self.dtype).removeprefix("torch."),
             str(self.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
         )
 

@@ -45,9 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32"],
                    help="KV cache storage type (auto: the model dtype)")
-    g.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "half", "fp16"],
-                   help="float16: linear weights stored in float16 and multiplied in float32 "
-                        "(CPU; half the weight bytes per step)")
+    g.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "half", "fp16", "q8"],
+                   help="CPU float32 models. float16: linear weights stored in float16 and "
+                        "multiplied in float32 (half the weight bytes per step). q8: integer "
+                        "matmuls as llama.cpp computes them: GGUF Q4_1/Q8_0 weights as stored "
+                        "(others rounded to Q8_0), activations rounded to int8 per 32 values")
     g.add_argument("--num-threads", type=int, default=None)
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],
