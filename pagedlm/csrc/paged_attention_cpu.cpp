@@ -188,18 +188,15 @@ inline void pv_heads(const float* p, int64_t n, const cache_t* const* toks, int6
 
 // scores[h, i] = q_h . k_i for every query head h (scores [H, n], q [H, D]): token tiles
 // front to back, each tile's K values for all kv heads (one contiguous run per token)
-// before the next tile, NG <= 3 query heads of a group at a time. The loop also fetches
-// each token's V into cache, for pv_all: its per-token work is too short for a prefetch
-// to run far enough ahead of it, and a partition's V (<= 256 tokens) fits in L2.
+// before the next tile, NG <= 3 query heads of a group at a time.
 template <typename cache_t>
-void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* v_toks,
-            int64_t n, int64_t num_kv_heads, int64_t head_dim, int64_t group, float* scores) {
+void qk_all(const float* q, const cache_t* const* k_toks, int64_t n, int64_t num_kv_heads,
+            int64_t head_dim, int64_t group, float* scores) {
   const int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t i = 0; i < n; i += 4) {
     for (int64_t j = i + kPrefetchTokens; j < std::min(n, i + kPrefetchTokens + 4); ++j) {
       prefetch_token(k_toks[j], token_bytes);
     }
-    for (int64_t j = i; j < std::min(n, i + 4); ++j) prefetch_token(v_toks[j], token_bytes);
     const int count = static_cast<int>(std::min<int64_t>(4, n - i));
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 3) {
@@ -217,13 +214,14 @@ void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* 
 }
 
 // acc[h] = sum_i p[h, i] v_i for every query head h: one pass over the partition per
-// (kv head, NG query heads, 32 dims), every pass finding V in cache (qk_all fetched it).
+// (kv head, NG query heads, 32 dims); the first pass prefetches whole tokens, the others
+// find them in cache (a partition's V is at most 256 tokens).
 template <typename cache_t>
 void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t num_kv_heads,
             int64_t head_dim, int64_t group, float* acc) {
-  const int64_t token_bytes = 0;  // no prefetch in pv_tile
+  int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t h = 0; h < num_kv_heads; ++h) {
-    for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    for (int64_t g0 = 0; g0 < group; g0 += 3, token_bytes = 0) {
       const int64_t head = h * group + g0;
       const float* ph = p + head * n;
       float* a = acc + head * head_dim;
@@ -311,7 +309,7 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
   }
   if (tiled) {
 #if defined(PAGEDLM_TILED)
-    qk_all(q, k_toks, v_toks, n, num_kv_heads, head_dim, group, scores);
+    qk_all(q, k_toks, n, num_kv_heads, head_dim, group, scores);
 #endif
   } else {
     for (int64_t i = 0; i < n; ++i) {

@@ -142,7 +142,6 @@ class LLMEngine:
             logger.info("CPU linear weights: %s", pack_weights_q8(self.model))
         elif self.device.type == "cpu" and self.dtype == torch.float32:
             from pagedlm.layers.block_weights import attach_block_weights, recover_block_weights
-
             from pagedlm.layers.panel_weights import pack_cpu_weights
 
             block_weights = recover_block_weights(self.model)
