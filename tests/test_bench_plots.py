@@ -56,6 +56,21 @@ def test_throughput_plot_takes_serving_results(tmp_path: Path) -> None:
         throughput_runs([("bad.json", {"benchmark": "serving", "results": {}})])
 
 
+def test_unlabelled_pagedlm_run_names_its_weight_dtype() -> None:
+    from pagedlm.benchmarks.plots import throughput_runs
+
+    figures = {"output_tokens_per_s": 1.0, "total_tokens_per_s": 2.0, "requests_per_s": 0.1}
+    report = {"benchmark": "throughput", "results": {
+        "pagedlm": {**figures, "engine_args": {"weight_dtype": "q8"}},
+        "llama-cpp-python": figures,
+        "pagedlm float16": {**figures, "engine_args": {"weight_dtype": "float16"}},  # --label
+    }}
+    assert [label for label, _ in throughput_runs([("r.json", report)])] == [
+        "pagedlm q8", "llama-cpp-python", "pagedlm float16"]
+    report["results"] = {"pagedlm": {**figures, "engine_args": {"weight_dtype": "auto"}}}
+    assert [label for label, _ in throughput_runs([("r.json", report)])] == ["pagedlm"]
+
+
 def test_plot_latency_against_rate(tmp_path: Path) -> None:
     files = []
     for i, rate in enumerate([1.0, 4.0, float("inf")]):

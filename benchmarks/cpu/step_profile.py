@@ -3,7 +3,7 @@
 by default), with every engine step timed and bucketed by what it computed (pure decode
 steps by their number of rows; steps that also prefill).
 
-    python benchmarks/cpu/step_profile.py [--num-prompts 64] [--float32]
+    python benchmarks/cpu/step_profile.py [--num-prompts 64] [--float32 | --q8]
 
 For the time per Python line (C++ kernels show as the line calling them), run it under
 py-spy and summarise the raw samples:
@@ -41,12 +41,12 @@ def summarize(path: str, top: int = 30) -> None:
         print(f"{100 * n / total:5.1f}%  {leaf}")
 
 
-def profile(num_prompts: int, float32: bool) -> None:
+def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
     from pagedlm import LLM
     from pagedlm.benchmarks.datasets import sample_sharegpt
     from pagedlm.benchmarks.throughput import run_pagedlm
 
-    kwargs = {} if float32 else {"weight_dtype": "float16", "kv_cache_dtype": "float16"}
+    kwargs = {} if float32 else {"weight_dtype": "q8" if q8 else "float16", "kv_cache_dtype": "float16"}
     llm = LLM(num_threads=2, **kwargs)
     requests = sample_sharegpt(llm.get_tokenizer(), num_prompts, seed=0)
     engine = llm.llm_engine
@@ -94,12 +94,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--float32", action="store_true", help="the exact float32 defaults instead")
+    p.add_argument("--q8", action="store_true", help="weight_dtype='q8' (int8 matmuls) instead")
     p.add_argument("--summarize", metavar="PY_SPY_RAW", help="summarise a py-spy raw profile and exit")
     args = p.parse_args()
     if args.summarize:
         summarize(args.summarize)
     else:
-        profile(args.num_prompts, args.float32)
+        profile(args.num_prompts, args.float32, args.q8)
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def throughput_runs(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple
             if not isinstance(figures, dict) or "output_tokens_per_s" not in figures:
                 raise ValueError(f"{name}: results[{label!r}] has no output_tokens_per_s; "
                                  "is it a throughput result?")
-            runs.append((label, figures))
+            runs.append((_pagedlm_label(label, figures), figures))
     labels = [label for label, _ in runs]
     if len(set(labels)) < len(labels):
         runs = []
@@ -70,9 +70,15 @@ def throughput_runs(reports: Sequence[tuple[str, dict[str, Any]]]) -> list[tuple
                 label, figs = _serving_run(name, report)
                 runs.append((f"{label} ({Path(name).stem})", figs))
                 continue
-            runs += [(f"{label} ({Path(name).stem})", figs)
+            runs += [(f"{_pagedlm_label(label, figs)} ({Path(name).stem})", figs)
                      for label, figs in report["results"].items()]
     return runs
+
+
+def _pagedlm_label(label: str, figures: dict[str, Any]) -> str:
+    """An unlabelled pagedlm run names its weight dtype when it is not the default."""
+    weight_dtype = (figures.get("engine_args") or {}).get("weight_dtype", "auto")
+    return f"{label} {weight_dtype}" if label == "pagedlm" and weight_dtype not in ("auto", None) else label
 
 
 def _serving_run(name: str, report: dict[str, Any]) -> tuple[str, dict]:
