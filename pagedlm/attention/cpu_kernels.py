@@ -35,4 +35,4 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables.contiguous(), seq_lens,
         float(logits_soft_cap or 0.0), int(sliding_window or 0), alibi_slopes,
     )
-    return out.to(query.dtype)
+    return out if query.dtype == torch.float32 else out.to(query.dtype)

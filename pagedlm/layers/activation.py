@@ -11,6 +11,8 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ops = fused_ops(x)
         if ops is not None:
+            if x.dim() == 2 and x.is_contiguous():  # no reshape / view to dispatch
+                return ops.silu_and_mul(x)
             shape = x.shape
             out = ops.silu_and_mul(x.reshape(-1, shape[-1]).contiguous())
             return out.view(*shape[:-1], shape[-1] // 2)

@@ -223,6 +223,8 @@ class BlockWeightMatmul:
         rows = x.numel() // self.in_features
         if rows > self.max_rows or x.dtype != torch.float32:
             return self.fallback(x, bias)
+        if x.dim() == 2 and x.is_contiguous():  # the common case: no reshape / view to dispatch
+            return self.gemv(x, self.blocks, bias)
         lead = x.shape[:-1]
         y = self.gemv(x.reshape(rows, self.in_features).contiguous(), self.blocks, bias)
         return y.view(*lead, self.out_features)  # [..., out_features]

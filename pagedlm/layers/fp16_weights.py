@@ -30,6 +30,9 @@ class Fp16WeightMatmul:
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float(), None)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and x.dim() == 2 and x.dtype == torch.float32:
+            # [rows, in_features] float32, the common case: no reshape / view to dispatch.
+            return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
         lead = x.shape[:-1]
         y = torch.ops.quantized.linear_dynamic_fp16(x.reshape(-1, self.in_features).float(), self.packed)
         if bias is not None:

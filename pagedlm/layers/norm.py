@@ -24,6 +24,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ops = fused_ops(x)
         if ops is not None and self.weight.dtype == torch.float32:
+            # The common case, [num_tokens, hidden] contiguous, skips reshape and view: at
+            # decode sizes their dispatch costs several times the kernel.
+            if x.dim() == 2 and x.is_contiguous() and (residual is None or (
+                    residual.dim() == 2 and residual.is_contiguous())):
+                outs = ops.rms_norm(x, self.weight, self.eps, residual)
+                return outs[0] if residual is None else (outs[0], outs[1])
             shape = x.shape
             res = None if residual is None else residual.reshape(-1, shape[-1]).contiguous()
             outs = ops.rms_norm(x.reshape(-1, shape[-1]).contiguous(), self.weight, self.eps, res)

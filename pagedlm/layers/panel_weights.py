@@ -45,6 +45,9 @@ class PanelWeightMatmul:
         self.gemm = kernels.panel_gemm
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and x.dim() == 2 and x.dtype == torch.float32 and x.is_contiguous():
+            # [rows, in_features] float32, the common case: no reshape / view to dispatch.
+            return self.gemm(x, self.panels, self.out_features, None)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [rows, in_features]
         y = self.gemm(x2, self.panels, self.out_features, None if bias is None else bias.float())
