@@ -48,7 +48,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False
+    enforce_eager: bool = False  # no CUDA graphs (GPU), no C++ decoder (CPU)
     attention_backend: str = "auto"  # auto: C++ kernels on CPU if they build, else torch
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     record_kv_usage: bool = False  # per-step allocated slots vs tokens held

@@ -358,7 +358,7 @@ inline int64_t partition_size(const std::vector<int64_t>& spans) {
 }
 
 template <typename cache_t>
-void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const std::vector<int64_t>& seq_lens, float soft_cap,
          int64_t window, const float* slopes, torch::Tensor& out) {
   const int64_t num_seqs = q.size(0);
@@ -472,13 +472,13 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   const float cap = static_cast<float>(soft_cap);
   switch (k_cache.scalar_type()) {
     case torch::kFloat:
-      run<float>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      run_decode<float>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
       break;
     case torch::kBFloat16:
-      run<at::BFloat16>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      run_decode<at::BFloat16>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
       break;
     case torch::kHalf:
-      run<at::Half>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      run_decode<at::Half>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
@@ -486,6 +486,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
+#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention on CPU");
 }
+#endif

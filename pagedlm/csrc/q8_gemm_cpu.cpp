@@ -229,7 +229,7 @@ void run_tile(int rows, const int8_t* r, const float* e, const float* s, int64_t
 #endif
 
 template <bool kQ4>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+torch::Tensor run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                   int64_t N, const c10::optional<torch::Tensor>& bias) {
   const int64_t M = x.size(0), K = x.size(1), B = K / kBlock, P = packed.size(0);
   torch::Tensor y = torch::empty({M, N}, x.options());
@@ -290,10 +290,12 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
                     bias->is_contiguous(),
                 "bias must be contiguous float32 [N]");
   }
-  return q4_1 ? run<true>(x, packed, scales, N, bias) : run<false>(x, packed, scales, N, bias);
+  return q4_1 ? run_gemm<true>(x, packed, scales, N, bias) : run_gemm<false>(x, packed, scales, N, bias);
 }
 
+#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_gemm", &q8_gemm,
         "x @ W.T (+ bias) with W in Q4_1/Q8_0 blocks and x rounded to int8 per 32 values, CPU");
 }
+#endif

@@ -197,6 +197,11 @@ class LLMEngine:
         self.runner.bind_kv_cache(allocate_kv_cache(
             num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.kv_cache_dtype,
             self.device))
+        # Pure-decode steps on CPU run every decoder layer in one C++ call where the model
+        # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
+        # like them turned off by enforce_eager.
+        if self.device.type == "cpu" and not args.enforce_eager:
+            logger.info("C++ decoder for pure-decode steps: %s", self.runner.enable_cpu_decoder())
         # Decode steps replay CUDA graphs unless told not to, or the backend plans from
         # per-step host values a graph would freeze (the torch backend's length buckets).
         self.cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager

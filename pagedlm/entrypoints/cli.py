@@ -41,7 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--enforce-eager", action="store_true")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the model's Python layers: no CUDA graphs on GPUs, "
+                        "no C++ decoder on CPU")
     g.add_argument("--kv-cache-dtype", default="auto",
                    choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32"],
                    help="KV cache storage type (auto: the model dtype)")

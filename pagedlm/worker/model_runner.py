@@ -75,6 +75,18 @@ class ModelRunner:
         else:
             self._upload = torch.from_numpy
         self._forward = self._forward_eager
+        self.cpu_decoder = None  # models/llama_cpu_decode.py, where enabled
+
+    def enable_cpu_decoder(self) -> str:
+        """Run pure-decode steps through the C++ decoder of models/llama_cpu_decode.py where
+        the model qualifies (call after `bind_kv_cache`). Returns what was done, for the log."""
+        from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
+
+        self.cpu_decoder, what = LlamaCpuDecoder.build(self.model)
+        if self.cpu_decoder is None:
+            return f"off ({what})"
+        self._forward = self._forward_cpu_decoder
+        return f"on ({what})"
 
     def enable_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Run pure-decode steps padded through static buffers, replaying CUDA graphs if
@@ -90,6 +102,8 @@ class ModelRunner:
         for layer, (k_cache, v_cache) in zip(layers, kv_caches):
             layer.k_cache, layer.v_cache = k_cache, v_cache
         self.kv_caches = kv_caches
+        if self.cpu_decoder is not None:  # it holds the caches it writes
+            self.enable_cpu_decoder()
 
     # ----- inputs -----------------------------------------------------------------------
 
@@ -223,6 +237,11 @@ class ModelRunner:
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
+
+    def _forward_cpu_decoder(self, inputs: StepInputs) -> torch.Tensor:
+        if inputs.meta.num_prefills == 0:
+            return self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.meta)
+        return self._forward_eager(inputs)
 
     def _forward_padded(self, inputs: StepInputs) -> torch.Tensor:
         # Prompt logprobs only come with prefill tokens, so a pure-decode step has none.

@@ -1,0 +1,123 @@
+"""Pure-decode steps of a Llama-family model on CPU in one C++ call (pagedlm/csrc/llama_decode_cpu.cpp).
+
+At decode sizes a decoder layer's dozen module calls and torch ops cost more in Python
+and dispatch than in arithmetic: on SmolLM2-135M with `weight_dtype='q8'`, a batch-1
+step spent ~12 of its 21 ms outside the matmuls. The C++ decoder runs the same kernels
+the layers call (q8 matmuls, fused RMSNorm / rotary / SiLU, the paged decode kernel) in
+the same order, so its hidden states equal the layers' float for float; the Python
+layers stay the reference (tests/test_llama_cpu_decode.py) and run every step that holds
+a prefill.
+
+Only models whose forward is exactly models/llama.py's qualify: `LlamaCpuDecoder.build`
+returns None with the reason otherwise (another layer class, a float or sharded weight,
+a backend other than the CPU kernels, ALiBi, a soft cap, a rotary the kernel does not do).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.csrc import load_extension
+
+logger = logging.getLogger(__name__)
+
+
+def _why_not(model) -> str | None:
+    """None if the C++ decoder computes exactly what `model.forward` does, else why not."""
+    from pagedlm.attention.cpu_paged import CpuPagedAttention
+    from pagedlm.layers.activation import SiluAndMul
+    from pagedlm.layers.embedding import VocabParallelEmbedding
+    from pagedlm.layers.norm import RMSNorm
+    from pagedlm.layers.parallel_state import get_tp_group
+    from pagedlm.layers.q8_weights import Q8WeightMatmul
+    from pagedlm.layers.rotary import RotaryEmbedding
+    from pagedlm.models.llama import (
+        LlamaAttention,
+        LlamaDecoderLayer,
+        LlamaForCausalLM,
+        LlamaMLP,
+        LlamaModel,
+    )
+
+    if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
+        return f"{type(model).__name__} is not a Llama-family model with Llama's forward"
+    inner = model.model
+    if type(inner) is not LlamaModel or type(inner.embed_tokens) is not VocabParallelEmbedding:
+        return "the model body is not models/llama.py's LlamaModel"
+    if get_tp_group().size != 1:
+        return "tensor parallelism"
+    if type(inner.norm) is not RMSNorm or inner.norm.weight.dtype != torch.float32:
+        return "the final norm is not a float32 RMSNorm"
+    for i, layer in enumerate(inner.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        if (type(layer) is not LlamaDecoderLayer or type(attn) is not LlamaAttention
+                or type(mlp) is not LlamaMLP or type(mlp.act_fn) is not SiluAndMul):
+            return f"layer {i} is not Llama's attention + SiLU MLP"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+            return f"layer {i}: a norm is not a float32 RMSNorm"
+        if any(n.eps != inner.norm.eps for n in norms):
+            return f"layer {i}: a norm's eps differs from the final norm's"
+        rotary = attn.rotary_emb
+        if rotary is not inner.layers[0].self_attn.rotary_emb:
+            return f"layer {i} has a rotary embedding of its own"
+        if type(rotary) is not RotaryEmbedding or not rotary._fusable:
+            return f"layer {i}: a rotary embedding the fused kernel does not do"
+        a = attn.attn
+        if not isinstance(a.backend, CpuPagedAttention):
+            return f"layer {i}: attention backend {type(a.backend).__name__}, not the CPU kernels"
+        if a.alibi_slopes is not None or a.logits_soft_cap is not None:
+            return f"layer {i}: ALiBi or a logits soft cap"
+        if a.k_cache is None or a.k_cache.device.type != "cpu":
+            return f"layer {i}: no CPU KV cache bound"
+        for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
+                          ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
+            if not isinstance(lin.matmul, Q8WeightMatmul):
+                return f"layer {i}: {name} does not have integer (weight_dtype='q8') weights"
+            if lin.bias is not None and lin.bias.dtype != torch.float32:
+                return f"layer {i}: {name} has a {lin.bias.dtype} bias"
+    return None
+
+
+class LlamaCpuDecoder:
+    """`model.forward` for steps whose every request decodes one token, in one C++ call."""
+
+    def __init__(self, model, kernels) -> None:
+        inner = model.model
+        attn0 = inner.layers[0].self_attn
+        rotary = attn0.rotary_emb
+        self.embed_tokens = inner.embed_tokens
+        self.decoder = kernels.LlamaDecoder(
+            attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, float(inner.norm.eps),
+            float(attn0.attn.scale), rotary.cos_cache, rotary.sin_cache, inner.norm.weight.data,
+        )
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            self.decoder.add_layer(
+                layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
+                [lin.matmul.packed for lin in linears], [lin.matmul.scales for lin in linears],
+                [None if lin.bias is None else lin.bias.data for lin in linears],
+                [lin.matmul.out_features for lin in linears], [lin.matmul.q4_1 for lin in linears],
+                int(attn.attn.sliding_window or 0), attn.attn.k_cache, attn.attn.v_cache,
+            )
+
+    @classmethod
+    def build(cls, model) -> tuple[LlamaCpuDecoder | None, str]:
+        """The decoder for `model` (KV cache bound), or None and why it does not qualify."""
+        reason = _why_not(model)
+        if reason is not None:
+            return None, reason
+        kernels = load_extension("llama_decode_cpu")
+        if kernels is None:
+            return None, "the C++ kernels are not built"
+        return cls(model, kernels), "every decoder layer"
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        return self.decoder.forward(x.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous(),
+                                    meta.block_tables.contiguous(), meta.seq_lens_cpu)

@@ -1,0 +1,104 @@
+"""The C++ decoder of pure-decode steps (models/llama_cpu_decode.py) against the model's own
+Python layers, its reference: same tokens and the very same logprobs (it runs the same
+kernels in the same order), KV blocks all returned, and the models it must not take.
+Prefix caching is off: a second run would reuse the first one's prompt blocks, and a
+prefill over cached blocks rounds differently from a whole one."""
+
+import pytest
+import torch
+
+from pagedlm import LLM, SamplingParams
+
+PROMPTS = [
+    {"prompt_token_ids": [1, 5, 9, 200, 33, 7, 99, 4, 18, 77, 250, 3, 61, 2, 19, 400, 12]},
+    {"prompt_token_ids": [3, 3, 48, 120]},
+    {"prompt_token_ids": list(range(10, 51))},
+    {"prompt_token_ids": [7]},
+]
+
+
+def _generate(llm, fused: bool):
+    runner = llm.llm_engine.runner
+    runner._forward = runner._forward_cpu_decoder if fused else runner._forward_eager
+    calls = []
+    decoder = runner.cpu_decoder
+    original = decoder.__call__
+
+    class Counting:  # counts the steps the decoder took, to show it ran
+        def __call__(self, *args):
+            calls.append(1)
+            return original(*args)
+
+    runner.cpu_decoder = Counting()
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        runner.cpu_decoder = decoder
+    kv = llm.llm_engine.scheduler.kv
+    kv.block_pool.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+    return outs, len(calls)
+
+
+def _check_same_as_layers(llm):
+    assert llm.llm_engine.runner.cpu_decoder is not None
+    fused, steps = _generate(llm, fused=True)
+    assert steps >= 10
+    eager, none = _generate(llm, fused=False)
+    assert none == 0
+    for a, b in zip(fused, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in pa.items()} == {t: lp.logprob for t, lp in pb.items()}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_decoder_equals_the_python_layers(tiny_models, arch):
+    """Llama, Mistral and Qwen2 (QKV bias, one KV head, tied embeddings) with q8 weights."""
+    llm = LLM(tiny_models[arch], skip_tokenizer_init=True, weight_dtype="q8", num_threads=2,
+              enable_prefix_caching=False)
+    _check_same_as_layers(llm)
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+def test_decoder_writes_each_cache_dtype_as_the_layers_do(tiny_llama_dir, kv_dtype):
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", kv_cache_dtype=kv_dtype,
+              num_threads=2, enable_prefix_caching=False)
+    _check_same_as_layers(llm)
+
+
+def test_decoder_with_a_sliding_window_and_mixed_steps(tmp_path):
+    """A window shorter than the prompts, and chunked prefills of 16 tokens that share steps
+    with decodes (those steps run the Python layers; the pure-decode ones the decoder)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import _save_tiny
+
+    path = _save_tiny(tmp_path, MistralConfig, MistralForCausalLM, seed=3, sliding_window=8)
+    llm = LLM(path, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    _check_same_as_layers(llm)
+
+
+def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
+    runner = LLM(tiny_llama_dir, skip_tokenizer_init=True, num_threads=1).llm_engine.runner
+    assert runner.cpu_decoder is None and runner._forward == runner._forward_eager
+    assert "weight_dtype='q8'" in runner.enable_cpu_decoder()
+    eager = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", enforce_eager=True,
+                num_threads=1).llm_engine.runner
+    assert eager.cpu_decoder is None and eager._forward == eager._forward_eager
+    torch_backend = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8",
+                        attention_backend="torch", num_threads=1).llm_engine.runner
+    assert torch_backend.cpu_decoder is None
+    assert "not the CPU kernels" in torch_backend.enable_cpu_decoder()
+
+
+def test_bad_slots_are_refused(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
+    decoder = llm.llm_engine.runner.cpu_decoder.decoder
+    x = torch.zeros(1, 64)
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        decoder.forward(x, torch.tensor([0]), torch.tensor([10**9]), torch.zeros(1, 4, dtype=torch.long), [1])
+    with pytest.raises(RuntimeError, match="one position, slot and seq_len per token"):
+        decoder.forward(x, torch.tensor([0, 1]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.long), [1])
