@@ -102,3 +102,17 @@ def test_bad_slots_are_refused(tiny_llama_dir):
         decoder.forward(x, torch.tensor([0]), torch.tensor([10**9]), torch.zeros(1, 4, dtype=torch.long), [1])
     with pytest.raises(RuntimeError, match="one position, slot and seq_len per token"):
         decoder.forward(x, torch.tensor([0, 1]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.long), [1])
+
+
+def test_profile_times_each_part_of_the_decode_steps(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
+    decoder = llm.llm_engine.runner.cpu_decoder.decoder
+    decoder.set_profile(True)
+    assert all(t == 0.0 for _, t in decoder.profile())
+    llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    parts = dict(decoder.profile())
+    assert set(parts) == {"rms_norm", "qkv_proj", "rotary+cache_write", "attention", "o_proj",
+                          "gate_up_proj", "silu_and_mul", "down_proj"}
+    assert all(t > 0 for t in parts.values())
+    decoder.set_profile(False)
+    assert all(t == 0.0 for _, t in decoder.profile())

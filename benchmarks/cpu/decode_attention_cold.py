@@ -62,7 +62,11 @@ def run(kernels: dict, args: argparse.Namespace) -> None:
     shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
     caches = [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
               for _ in range(LAYERS)]
-    for seqs, ctx in [(48, 370), (4, 900)]:
+    # (sequences, their context lengths): equal lengths, and a spread as a real batch has,
+    # longest first (the order the model runner gives the kernel).
+    cases = [(48, [370] * 48), (4, [900] * 4), (48, torch.linspace(900, 40, 48).int().tolist())]
+    for seqs, lens in cases:
+        ctx = max(lens)
         per = ctx // BLOCK + 1
         if args.contiguous:
             tables = torch.arange(1, seqs * per + 1).view(seqs, per)
@@ -70,7 +74,6 @@ def run(kernels: dict, args: argparse.Namespace) -> None:
             tables = (torch.randperm(NUM_BLOCKS - 1, generator=g)[: seqs * per] + 1).view(seqs, per)
         # The kernel's own input: float32 queries already multiplied by the softmax scale.
         q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g) * HEAD_DIM**-0.5
-        lens = [ctx] * seqs
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for step in range(args.steps + 1):
             for name, module in kernels.items():
@@ -79,9 +82,10 @@ def run(kernels: dict, args: argparse.Namespace) -> None:
                     module.paged_decode(q, k, v, tables, lens, 0.0, 0, None)
                 if step:  # the first step of each kernel is a warm-up
                     times[name].append(time.perf_counter() - start)
-        gigabytes = LAYERS * seqs * ctx * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
+        gigabytes = LAYERS * sum(lens) * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
         medians = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-        line = f"{seqs} seqs x {ctx} tokens, {LAYERS} layers:"
+        span = f"{lens[0]}" if min(lens) == max(lens) else f"{max(lens)}..{min(lens)}"
+        line = f"{seqs} seqs x {span} tokens, {LAYERS} layers:"
         for name, median in medians.items():
             line += f"  {name} {median * 1e3:.1f} ms per step ({gigabytes / median:.1f} GB/s)"
         if len(medians) == 2:

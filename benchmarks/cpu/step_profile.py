@@ -1,7 +1,8 @@
 """Where a throughput run's time goes, step by step: the ShareGPT workload of
 `pagedlm bench throughput` (64 requests, seed 0, EOS ignored, float16 weights and KV cache
 by default), with every engine step timed and bucketed by what it computed (pure decode
-steps by their number of rows; steps that also prefill).
+steps by their number of rows; steps that also prefill), and where the C++ decoder of
+pure-decode steps runs (--q8), its time per part of the layers.
 
     python benchmarks/cpu/step_profile.py [--num-prompts 64] [--float32 | --q8]
 
@@ -67,6 +68,15 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
         return generate(*args, **kw)
 
     engine.runner.execute_model, llm.generate = timed, generate_afresh
+    decoder = engine.runner.cpu_decoder  # the C++ decoder of pure-decode steps, if on
+    if decoder is not None:
+        original_generate = llm.generate
+
+        def generate_profiled(*args, **kw):  # its per-part times of the last call only
+            decoder.decoder.set_profile(True)
+            return original_generate(*args, **kw)
+
+        llm.generate = generate_profiled
     # The very run of `pagedlm bench throughput`: warm-up, then every request at once.
     result = run_pagedlm(llm, requests, use_tqdm=False)
     model_s = sum(s[2] for s in steps)
@@ -88,6 +98,12 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
         n, seconds, decodes, prefill = buckets[key]
         print(f"{key:24s} {n:6d} {seconds:8.2f} {100 * seconds / model_s:5.1f}% "
               f"{1e3 * seconds / n:8.1f} {decodes:11d} {prefill:14d}")
+    if decoder is not None:
+        parts = decoder.decoder.profile()
+        total = sum(t for _, t in parts)
+        print(f"pure-decode steps in the C++ decoder: {total:.2f} s in its layers")
+        for name, seconds in sorted(parts, key=lambda p: -p[1]):
+            print(f"  {name:20s} {seconds:7.2f} s {100 * seconds / model_s:5.1f}% of the run's model time")
 
 
 def main() -> None:

@@ -22,6 +22,8 @@
 #include "q8_gemm_cpu.cpp"
 #undef PAGEDLM_NO_PYBIND_MODULE
 
+#include <array>
+#include <chrono>
 #include <string>
 
 namespace {
@@ -84,6 +86,27 @@ void write_cache(const torch::Tensor& src, torch::Tensor& cache, const int64_t* 
   }
 }
 
+enum Part { kNorms, kQkv, kRotaryCache, kAttention, kO, kGateUp, kSilu, kDown, kParts };
+const char* const kPartNames[kParts] = {"rms_norm", "qkv_proj", "rotary+cache_write", "attention",
+                                        "o_proj", "gate_up_proj", "silu_and_mul", "down_proj"};
+
+// Adds the time since the previous lap to a part's total; does nothing without totals.
+class Clock {
+ public:
+  explicit Clock(std::array<double, kParts>* totals) : totals_(totals), last_(now()) {}
+  void lap(Part part) {
+    if (totals_ == nullptr) return;
+    const auto t = now();
+    (*totals_)[part] += std::chrono::duration<double>(t - last_).count();
+    last_ = t;
+  }
+
+ private:
+  static std::chrono::steady_clock::time_point now() { return std::chrono::steady_clock::now(); }
+  std::array<double, kParts>* totals_;
+  std::chrono::steady_clock::time_point last_;
+};
+
 }  // namespace
 
 class LlamaDecoder {
@@ -143,6 +166,7 @@ class LlamaDecoder {
                   num_slots, " slots)");
     }
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    Clock clock(profile_ ? &seconds_ : nullptr);
     torch::Tensor residual;
     for (size_t li = 0; li < layers_.size(); ++li) {
       Layer& layer = layers_[li];
@@ -155,7 +179,9 @@ class LlamaDecoder {
         h = outs[0];
         residual = outs[1];
       }
+      clock.lap(kNorms);
       torch::Tensor qkv = layer.qkv(h);  // [n, q_size + 2 kv_size]
+      clock.lap(kQkv);
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
       torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
       auto qk = rotary(positions, q, k, cos_, sin_);  // contiguous rotated copies
@@ -163,14 +189,36 @@ class LlamaDecoder {
       write_cache(qkv.narrow(1, q_size + kv_size, kv_size).contiguous(), layer.v_cache, slots, n);
       float* q_p = qk[0].data_ptr<float>();
       for (int64_t i = 0; i < n * q_size; ++i) q_p[i] *= scale_;
+      clock.lap(kRotaryCache);
       torch::Tensor o = paged_decode(qk[0], layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0,
                                      layer.window, c10::nullopt);  // [n, heads, head_dim]
+      clock.lap(kAttention);
       x = layer.o(o.view({n, q_size}));
+      clock.lap(kO);
       auto outs = rms_norm(x, layer.post_norm, eps_, residual);
       residual = outs[1];
-      x = layer.down(silu_and_mul(layer.gate_up(outs[0])));
+      clock.lap(kNorms);
+      torch::Tensor gate_up = layer.gate_up(outs[0]);
+      clock.lap(kGateUp);
+      torch::Tensor act = silu_and_mul(gate_up);
+      clock.lap(kSilu);
+      x = layer.down(act);
+      clock.lap(kDown);
     }
-    return rms_norm(x, final_norm_, eps_, residual)[0];
+    torch::Tensor out = rms_norm(x, final_norm_, eps_, residual)[0];
+    clock.lap(kNorms);
+    return out;
+  }
+
+  // Time spent per part of the layers since profiling was turned on (seconds), by name.
+  void set_profile(bool on) {
+    profile_ = on;
+    seconds_.fill(0.0);
+  }
+  std::vector<std::pair<std::string, double>> profile() const {
+    std::vector<std::pair<std::string, double>> out;
+    for (int i = 0; i < kParts; ++i) out.emplace_back(kPartNames[i], seconds_[i]);
+    return out;
   }
 
  private:
@@ -179,6 +227,8 @@ class LlamaDecoder {
   float scale_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
+  bool profile_ = false;
+  std::array<double, kParts> seconds_{};
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -186,5 +236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
-      .def("forward", &LlamaDecoder::forward);
+      .def("forward", &LlamaDecoder::forward)
+      .def("set_profile", &LlamaDecoder::set_profile)
+      .def("profile", &LlamaDecoder::profile);
 }

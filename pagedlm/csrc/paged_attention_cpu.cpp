@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX2__)
@@ -400,9 +401,15 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const cache_t* v_p = v_cache.data_ptr<cache_t>();
   const int64_t* bt_p = block_tables.data_ptr<int64_t>();
 
-  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+  // Threads take items from a shared counter, not an even split of the item list: the
+  // items differ in size (a batch's long sequences come first, in full partitions; its
+  // short ones last, in one small item each), so halves of the list can differ in work
+  // several-fold.
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), slots));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * part);
-    for (int64_t i = begin; i < end; ++i) {
+    for (int64_t i = next_item.fetch_add(1); i < slots; i = next_item.fetch_add(1)) {
       const Item& it = items[i];
       decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
                            bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
