@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, SamplingParams
+from tests.conftest import requires_smollm2, smollm2_path
 
 PROMPTS = [
     {"prompt_token_ids": [1, 5, 9, 200, 33, 7, 99, 4, 18, 77, 250, 3, 61, 2, 19, 400, 12]},
@@ -53,12 +54,46 @@ def _check_same_as_layers(llm):
             assert {t: lp.logprob for t, lp in pa.items()} == {t: lp.logprob for t, lp in pb.items()}
 
 
+@pytest.mark.parametrize("weight_dtype", ["q8", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
-def test_decoder_equals_the_python_layers(tiny_models, arch):
-    """Llama, Mistral and Qwen2 (QKV bias, one KV head, tied embeddings) with q8 weights."""
-    llm = LLM(tiny_models[arch], skip_tokenizer_init=True, weight_dtype="q8", num_threads=2,
+def test_decoder_equals_the_python_layers(tiny_models, arch, weight_dtype):
+    """Llama, Mistral and Qwen2 (QKV bias, one KV head, tied embeddings), with the int8
+    kernel (q8) and with float32 panels (auto)."""
+    llm = LLM(tiny_models[arch], skip_tokenizer_init=True, weight_dtype=weight_dtype, num_threads=2,
               enable_prefix_caching=False)
     _check_same_as_layers(llm)
+
+
+def test_decoder_with_float16_weights(tiny_llama_dir):
+    """float16 panels are covered; fbgemm's float16 GEMM (where torch has it) is not."""
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="float16", num_threads=2,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    if runner.cpu_decoder is None:
+        assert "Fp16WeightMatmul" in runner.enable_cpu_decoder()
+    else:
+        _check_same_as_layers(llm)
+
+
+@requires_smollm2
+def test_decoder_on_the_embedded_gguf_model():
+    """SmolLM2's float32 weights are exact Q4_1 / Q8_0 blocks: up to 8 rows take the block
+    kernel, more the float32 panels; 10 prompts cross that line as they finish."""
+    llm = LLM(smollm2_path(), skip_tokenizer_init=True, num_threads=2, enable_prefix_caching=False)
+    qkv = llm.llm_engine.model.model.layers[0].self_attn.qkv_proj.matmul
+    assert type(qkv).__name__ == "BlockWeightMatmul" and qkv.max_rows < 10
+    runner = llm.llm_engine.runner
+    assert runner.cpu_decoder is not None
+    prompts = [{"prompt_token_ids": [1, 2 + i, 300 + 7 * i, 45]} for i in range(10)]
+    params = [SamplingParams(max_tokens=3 + i, temperature=0, logprobs=2, ignore_eos=True)
+              for i in range(10)]
+    fused = llm.generate(prompts, params, use_tqdm=False)
+    runner._forward = runner._forward_eager
+    eager = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(fused, eager):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert {t: lp.logprob for t, lp in pa.items()} == {t: lp.logprob for t, lp in pb.items()}
 
 
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
@@ -83,8 +118,11 @@ def test_decoder_with_a_sliding_window_and_mixed_steps(tmp_path):
 
 def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
     runner = LLM(tiny_llama_dir, skip_tokenizer_init=True, num_threads=1).llm_engine.runner
+    assert runner.cpu_decoder is not None
+    mlp = runner.model.model.layers[1].mlp
+    mlp.down_proj.matmul = lambda x, bias: x @ torch.zeros(64, 128).T  # a matmul it cannot know
+    assert "layer 1: down_proj multiplies with function" in runner.enable_cpu_decoder()
     assert runner.cpu_decoder is None and runner._forward == runner._forward_eager
-    assert "weight_dtype='q8'" in runner.enable_cpu_decoder()
     eager = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", enforce_eager=True,
                 num_threads=1).llm_engine.runner
     assert eager.cpu_decoder is None and eager._forward == eager._forward_eager

@@ -39,7 +39,8 @@
 
 #include "cpu_vec.h"
 
-namespace {
+// Named (not anonymous) so that llama_decode_cpu.cpp can include this file next to others.
+namespace pagedlm_block {
 
 using namespace pagedlm_vec;
 
@@ -213,7 +214,6 @@ torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
   return q4 ? run<true>(x, blocks, bias) : run<false>(x, blocks, bias);
 }
 
-}  // namespace
 
 // x [M, K] float32 contiguous; blocks [N, K / 32, 20] uint8 (Q4_1); bias [N] or None.
 // Returns float32 [M, N].
@@ -227,7 +227,11 @@ torch::Tensor q8_0_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<tor
   return check_and_run(x, blocks, bias, kQ8_0Bytes, false);
 }
 
+}  // namespace pagedlm_block
+
+#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q4_1_gemv", &q4_1_gemv, "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
-  m.def("q8_0_gemv", &q8_0_gemv, "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
+  m.def("q4_1_gemv", &pagedlm_block::q4_1_gemv, "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
+  m.def("q8_0_gemv", &pagedlm_block::q8_0_gemv, "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
 }
+#endif

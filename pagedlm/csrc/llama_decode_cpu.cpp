@@ -1,11 +1,11 @@
 // Every decoder layer of a Llama-family model for a pure-decode step (one new token per
 // sequence), in one call from Python. At decode sizes a layer's dozen torch ops and module
 // calls cost more in dispatch than in arithmetic (batch 1: ~12 ms of a 21 ms step on
-// SmolLM2-135M); here each layer is a straight run of the kernels the Python layers call
+// SmolLM2-135M with q8 weights); here each layer is a straight run of the kernels the Python layers call
 // one by one, with the same inputs, so the result is the same float for float:
 //
 //   h = rms_norm(x (+ residual))                 layer_ops_cpu.cpp
-//   qkv = h @ Wqkv.T (+ b)                       q8_gemm_cpu.cpp
+//   qkv = h @ Wqkv.T (+ b)                       q8_gemm / panel_gemm / block_gemv_cpu.cpp
 //   q, k = rotary(positions, q, k)               layer_ops_cpu.cpp
 //   cache[slot] = k, v                           (below; the cache's dtype, rounded to nearest)
 //   o = paged_decode(q * scale, cache, ...)      paged_attention_cpu.cpp
@@ -17,8 +17,10 @@
 // qualify and tests/test_llama_cpu_decode.py compares the two.
 
 #define PAGEDLM_NO_PYBIND_MODULE
+#include "block_gemv_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
+#include "panel_gemm_cpu.cpp"
 #include "q8_gemm_cpu.cpp"
 #undef PAGEDLM_NO_PYBIND_MODULE
 
@@ -26,23 +28,71 @@
 #include <chrono>
 #include <string>
 
-namespace {
+// One linear layer's matmul, x @ W.T (+ bias), as its Python matmul object computes it
+// (layers/q8_weights.py, layers/panel_weights.py, layers/block_weights.py):
+//   q8     the int8 kernel over Q4_1 / Q8_0 blocks;
+//   panel  float32 or float16 panels;
+//   block  GGUF blocks for inputs of up to `max_rows` rows, panels for larger ones.
+class Linear {
+ public:
+  static Linear q8(torch::Tensor packed, torch::Tensor scales, int64_t out_features, bool q4_1,
+                   c10::optional<torch::Tensor> bias) {
+    Linear l(kQ8, out_features, bias);
+    l.packed_ = packed;
+    l.scales_ = scales;
+    l.q4_1_ = q4_1;
+    return l;
+  }
+  static Linear panel(torch::Tensor panels, int64_t out_features, c10::optional<torch::Tensor> bias) {
+    Linear l(kPanel, out_features, bias);
+    l.packed_ = panels;
+    return l;
+  }
+  static Linear block(torch::Tensor blocks, bool q4_1, int64_t max_rows, torch::Tensor panels,
+                      int64_t out_features, c10::optional<torch::Tensor> bias) {
+    Linear l(kBlock, out_features, bias);
+    l.blocks_ = blocks;
+    l.q4_1_ = q4_1;
+    l.max_rows_ = max_rows;
+    l.packed_ = panels;
+    return l;
+  }
 
-// One integer-weight matmul: the packed blocks of layers/q8_weights.py.
-struct Q8Linear {
-  torch::Tensor packed, scales;
-  c10::optional<torch::Tensor> bias;
-  int64_t out_features = 0;
-  bool q4_1 = false;
+  int64_t out_features() const { return out_features_; }
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return q8_gemm(x, packed, scales, out_features, q4_1, bias);
+    switch (kind_) {
+      case kQ8:
+        return q8_gemm(x, packed_, scales_, out_features_, q4_1_, bias_);
+      case kBlock:
+        if (x.size(0) <= max_rows_) {
+          return q4_1_ ? pagedlm_block::q4_1_gemv(x, blocks_, bias_)
+                       : pagedlm_block::q8_0_gemv(x, blocks_, bias_);
+        }
+        [[fallthrough]];
+      default:
+        return pagedlm_panel::panel_gemm(x, packed_, out_features_, bias_);
+    }
   }
+
+ private:
+  enum Kind { kQ8, kPanel, kBlock };
+  Linear(Kind kind, int64_t out_features, c10::optional<torch::Tensor> bias)
+      : kind_(kind), out_features_(out_features), bias_(std::move(bias)) {}
+
+  Kind kind_;
+  int64_t out_features_;
+  c10::optional<torch::Tensor> bias_;
+  torch::Tensor packed_, scales_, blocks_;
+  bool q4_1_ = false;
+  int64_t max_rows_ = 0;
 };
+
+namespace {
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
-  Q8Linear qkv, o, gate_up, down;
+  std::vector<Linear> linears;  // qkv, o, gate_up, down
   int64_t window = 0;  // 0: full attention
   torch::Tensor k_cache, v_cache;
 };
@@ -120,28 +170,21 @@ class LlamaDecoder {
                 "num_heads must be a positive multiple of num_kv_heads");
   }
 
-  // One decoder layer, in order. `q4_1` holds the block format of qkv, o, gate_up, down.
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<torch::Tensor> packed,
-                 std::vector<torch::Tensor> scales, std::vector<c10::optional<torch::Tensor>> biases,
-                 std::vector<int64_t> out_features, std::vector<bool> q4_1, int64_t window,
-                 torch::Tensor k_cache, torch::Tensor v_cache) {
-    TORCH_CHECK(packed.size() == 4 && scales.size() == 4 && biases.size() == 4 &&
-                    out_features.size() == 4 && q4_1.size() == 4,
-                "a layer has four matmuls: qkv, o, gate_up, down");
+  // One decoder layer, in order; `linears` are its qkv, o, gate_up and down matmuls.
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<Linear> linears,
+                 int64_t window, torch::Tensor k_cache, torch::Tensor v_cache) {
+    TORCH_CHECK(linears.size() == 4, "a layer has four matmuls: qkv, o, gate_up, down");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
-    TORCH_CHECK(out_features[0] == q_size + 2 * kv_size, "qkv has ", out_features[0],
-                " outputs, expected ", q_size + 2 * kv_size);
-    TORCH_CHECK(out_features[2] % 2 == 0, "gate_up must have an even number of outputs");
+    TORCH_CHECK(linears[0].out_features() == q_size + 2 * kv_size, "qkv has ",
+                linears[0].out_features(), " outputs, expected ", q_size + 2 * kv_size);
+    TORCH_CHECK(linears[2].out_features() % 2 == 0, "gate_up must have an even number of outputs");
     TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == num_kv_heads_ && k_cache.size(3) == head_dim_ &&
                     k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
                 "k_cache/v_cache must be contiguous [blocks, block_size, num_kv_heads, head_dim]");
     Layer layer;
     layer.input_norm = input_norm;
     layer.post_norm = post_norm;
-    Q8Linear* linears[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
-    for (int i = 0; i < 4; ++i) {
-      *linears[i] = Q8Linear{packed[i], scales[i], biases[i], out_features[i], q4_1[i]};
-    }
+    layer.linears = std::move(linears);
     layer.window = window;
     layer.k_cache = k_cache;
     layer.v_cache = v_cache;
@@ -180,7 +223,7 @@ class LlamaDecoder {
         residual = outs[1];
       }
       clock.lap(kNorms);
-      torch::Tensor qkv = layer.qkv(h);  // [n, q_size + 2 kv_size]
+      torch::Tensor qkv = layer.linears[0](h);  // [n, q_size + 2 kv_size]
       clock.lap(kQkv);
       torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
       torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
@@ -193,16 +236,16 @@ class LlamaDecoder {
       torch::Tensor o = paged_decode(qk[0], layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0,
                                      layer.window, c10::nullopt);  // [n, heads, head_dim]
       clock.lap(kAttention);
-      x = layer.o(o.view({n, q_size}));
+      x = layer.linears[1](o.view({n, q_size}));
       clock.lap(kO);
       auto outs = rms_norm(x, layer.post_norm, eps_, residual);
       residual = outs[1];
       clock.lap(kNorms);
-      torch::Tensor gate_up = layer.gate_up(outs[0]);
+      torch::Tensor gate_up = layer.linears[2](outs[0]);
       clock.lap(kGateUp);
       torch::Tensor act = silu_and_mul(gate_up);
       clock.lap(kSilu);
-      x = layer.down(act);
+      x = layer.linears[3](act);
       clock.lap(kDown);
     }
     torch::Tensor out = rms_norm(x, final_norm_, eps_, residual)[0];
@@ -232,6 +275,10 @@ class LlamaDecoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  pybind11::class_<Linear>(m, "Linear")
+      .def_static("q8", &Linear::q8)
+      .def_static("panel", &Linear::panel)
+      .def_static("block", &Linear::block);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())

@@ -35,7 +35,8 @@
 #define PAGEDLM_PANEL_AVX2 1
 #endif
 
-namespace {
+// Named (not anonymous) so that llama_decode_cpu.cpp can include this file next to others.
+namespace pagedlm_panel {
 
 constexpr int64_t kPanel = 16;      // output features per panel
 constexpr int64_t kMaxTile = 6;     // rows of x per micro-kernel call
@@ -134,7 +135,6 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
 }
 
-}  // namespace
 
 // x [M, K] float32 contiguous; packed [ceil(N / 16), K, 16] float32 or float16 contiguous;
 // bias [N] float32 or None. Returns float32 [M, N].
@@ -200,6 +200,10 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
   return y;
 }
 
+}  // namespace pagedlm_panel
+
+#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("panel_gemm", &panel_gemm, "x @ W.T (+ bias) with W packed in 16-column panels, CPU");
+  m.def("panel_gemm", &pagedlm_panel::panel_gemm, "x @ W.T (+ bias) with W packed in 16-column panels, CPU");
 }
+#endif

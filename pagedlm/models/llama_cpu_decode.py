@@ -3,14 +3,15 @@
 At decode sizes a decoder layer's dozen module calls and torch ops cost more in Python
 and dispatch than in arithmetic: on SmolLM2-135M with `weight_dtype='q8'`, a batch-1
 step spent ~12 of its 21 ms outside the matmuls. The C++ decoder runs the same kernels
-the layers call (q8 matmuls, fused RMSNorm / rotary / SiLU, the paged decode kernel) in
-the same order, so its hidden states equal the layers' float for float; the Python
-layers stay the reference (tests/test_llama_cpu_decode.py) and run every step that holds
-a prefill.
+the layers call (the q8, float32 / float16 panel and GGUF-block matmuls, fused RMSNorm /
+rotary / SiLU, the paged decode kernel) in the same order, so its hidden states equal the
+layers' float for float; the Python layers stay the reference
+(tests/test_llama_cpu_decode.py) and run every step that holds a prefill.
 
 Only models whose forward is exactly models/llama.py's qualify: `LlamaCpuDecoder.build`
-returns None with the reason otherwise (another layer class, a float or sharded weight,
-a backend other than the CPU kernels, ALiBi, a soft cap, a rotary the kernel does not do).
+returns None with the reason otherwise (another layer class, a matmul other than those
+(fbgemm's float16 GEMM, plain F.linear), sharded weights, a backend other than the CPU
+kernels, ALiBi, a soft cap, a rotary the kernel does not do).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ def _why_not(model) -> str | None:
     from pagedlm.layers.embedding import VocabParallelEmbedding
     from pagedlm.layers.norm import RMSNorm
     from pagedlm.layers.parallel_state import get_tp_group
-    from pagedlm.layers.q8_weights import Q8WeightMatmul
     from pagedlm.layers.rotary import RotaryEmbedding
     from pagedlm.models.llama import (
         LlamaAttention,
@@ -75,11 +75,42 @@ def _why_not(model) -> str | None:
             return f"layer {i}: no CPU KV cache bound"
         for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
                           ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
-            if not isinstance(lin.matmul, Q8WeightMatmul):
-                return f"layer {i}: {name} does not have integer (weight_dtype='q8') weights"
+            if _linear_kind(lin.matmul) is None:
+                return (f"layer {i}: {name} multiplies with {type(lin.matmul).__name__}, not the "
+                        "q8, panel or GGUF-block kernels")
             if lin.bias is not None and lin.bias.dtype != torch.float32:
                 return f"layer {i}: {name} has a {lin.bias.dtype} bias"
     return None
+
+
+def _linear_kind(matmul) -> str | None:
+    """Which of the C++ decoder's matmuls computes what `matmul` computes, if any."""
+    from pagedlm.layers.block_weights import BlockWeightMatmul
+    from pagedlm.layers.panel_weights import PanelWeightMatmul
+    from pagedlm.layers.q8_weights import Q8WeightMatmul
+
+    if isinstance(matmul, Q8WeightMatmul):
+        return "q8"
+    if isinstance(matmul, PanelWeightMatmul):
+        return "panel"
+    if isinstance(matmul, BlockWeightMatmul) and isinstance(matmul.fallback, PanelWeightMatmul):
+        return "block"
+    return None
+
+
+def _linear(kernels, lin):
+    """The C++ decoder's form of linear layer `lin`'s matmul (see `_linear_kind`)."""
+    from gguf import GGMLQuantizationType
+
+    mm = lin.matmul
+    bias = None if lin.bias is None else lin.bias.data
+    kind = _linear_kind(mm)
+    if kind == "q8":
+        return kernels.Linear.q8(mm.packed, mm.scales, mm.out_features, mm.q4_1, bias)
+    if kind == "panel":
+        return kernels.Linear.panel(mm.panels, mm.out_features, bias)
+    return kernels.Linear.block(mm.blocks, mm.ggml_type == GGMLQuantizationType.Q4_1, mm.max_rows,
+                                mm.fallback.panels, mm.out_features, bias)
 
 
 class LlamaCpuDecoder:
@@ -99,9 +130,7 @@ class LlamaCpuDecoder:
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             self.decoder.add_layer(
                 layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                [lin.matmul.packed for lin in linears], [lin.matmul.scales for lin in linears],
-                [None if lin.bias is None else lin.bias.data for lin in linears],
-                [lin.matmul.out_features for lin in linears], [lin.matmul.q4_1 for lin in linears],
+                [_linear(kernels, lin) for lin in linears],
                 int(attn.attn.sliding_window or 0), attn.attn.k_cache, attn.attn.v_cache,
             )
 

@@ -84,6 +84,8 @@ class ModelRunner:
 
         self.cpu_decoder, what = LlamaCpuDecoder.build(self.model)
         if self.cpu_decoder is None:
+            if self._forward == self._forward_cpu_decoder:
+                self._forward = self._forward_eager
             return f"off ({what})"
         self._forward = self._forward_cpu_decoder
         return f"on ({what})"
