@@ -2,7 +2,8 @@
 
 At decode sizes a decoder layer's dozen module calls and torch ops cost more in Python
 and dispatch than in arithmetic: on SmolLM2-135M with `weight_dtype='q8'`, a batch-1
-step spent ~12 of its 21 ms outside the matmuls. The C++ decoder runs the same kernels
+step takes 25.3 ms through the Python layers and 12.2 ms through this decoder
+(`pagedlm bench latency --batch-size 1`, with and without `--enforce-eager`). The C++ decoder runs the same kernels
 the layers call (the q8, float32 / float16 panel and GGUF-block matmuls, fused RMSNorm /
 rotary / SiLU, the paged decode kernel) in the same order, so its hidden states equal the
 layers' float for float; the Python layers stay the reference
@@ -16,14 +17,10 @@ kernels, ALiBi, a soft cap, a rotary the kernel does not do).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
-
-logger = logging.getLogger(__name__)
 
 
 def _why_not(model) -> str | None:
