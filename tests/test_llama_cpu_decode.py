@@ -96,6 +96,44 @@ def test_decoder_on_the_embedded_gguf_model():
             assert {t: lp.logprob for t, lp in pa.items()} == {t: lp.logprob for t, lp in pb.items()}
 
 
+def test_decoder_reuses_and_grows_its_buffers(tiny_llama_dir):
+    """The decoder keeps one set of activation buffers across steps: a batch that shrinks
+    step by step (staggered lengths), then a larger batch than any before (the buffers
+    grow), give the Python layers' logprobs every step; the hidden states it returns are
+    not overwritten by the next step."""
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=2,
+              enable_prefix_caching=False)
+    runner = llm.llm_engine.runner
+    small = [{"prompt_token_ids": [5 + i, 9, 40 + i]} for i in range(2)]
+    large = [{"prompt_token_ids": [1 + i, 30 + 2 * i, 7, 64 + i]} for i in range(7)]
+    kept = []
+    decoder = runner.cpu_decoder
+    original = decoder.__call__
+
+    class Keeping:  # holds on to each step's returned hidden states and a copy of them
+        def __call__(self, *args):
+            out = original(*args)
+            kept.append((out, out.clone()))
+            return out
+
+    for prompts in (small, large):
+        params = [SamplingParams(max_tokens=2 + 2 * i, temperature=0, logprobs=2, ignore_eos=True)
+                  for i in range(len(prompts))]
+        runner.cpu_decoder, runner._forward = Keeping(), runner._forward_cpu_decoder
+        fused = llm.generate(prompts, params, use_tqdm=False)
+        runner.cpu_decoder, runner._forward = decoder, runner._forward_eager
+        eager = llm.generate(prompts, params, use_tqdm=False)
+        for a, b in zip(fused, eager):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+            for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+                assert {t: lp.logprob for t, lp in pa.items()} == {t: lp.logprob for t, lp in pb.items()}
+    assert len({out.shape[0] for out, _ in kept}) >= 5  # batches of many sizes, 1 to 7
+    assert all(torch.equal(out, copy) for out, copy in kept)
+    kv = llm.llm_engine.scheduler.kv
+    kv.block_pool.check_invariants()
+    assert kv.num_free_blocks == kv.num_blocks
+
+
 @pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
 def test_decoder_writes_each_cache_dtype_as_the_layers_do(tiny_llama_dir, kv_dtype):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", kv_cache_dtype=kv_dtype,

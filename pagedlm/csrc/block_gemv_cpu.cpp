@@ -175,11 +175,10 @@ void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t n
 #endif
 
 template <bool kQ4>
-torch::Tensor run(const torch::Tensor& x, const torch::Tensor& blocks,
-                  const c10::optional<torch::Tensor>& bias) {
+void run(const torch::Tensor& x, const torch::Tensor& blocks, const c10::optional<torch::Tensor>& bias,
+         torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0), num_blocks = blocks.size(1);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  if (M == 0 || N == 0) return;
   const float* x_p = x.data_ptr<float>();
   const uint8_t* w_p = blocks.data_ptr<uint8_t>();
   float* y_p = y.data_ptr<float>();
@@ -192,12 +191,11 @@ torch::Tensor run(const torch::Tensor& x, const torch::Tensor& blocks,
     }
   });
   if (bias.has_value()) y.add_(*bias);
-  return y;
 }
 
-torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
-                            const c10::optional<torch::Tensor>& bias, int64_t block_bytes,
-                            bool q4) {
+void check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
+                   const c10::optional<torch::Tensor>& bias, int64_t block_bytes, bool q4,
+                   torch::Tensor& y) {
   TORCH_CHECK(x.device().is_cpu() && blocks.device().is_cpu(), "block GEMV runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -211,7 +209,22 @@ torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
                     bias->scalar_type() == torch::kFloat,
                 "bias must be float32 [N]");
   }
-  return q4 ? run<true>(x, blocks, bias) : run<false>(x, blocks, bias);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == blocks.size(0) &&
+                  y.scalar_type() == torch::kFloat && y.is_contiguous(),
+              "y must be a contiguous float32 [", x.size(0), ", ", blocks.size(0), "] tensor");
+  if (q4) {
+    run<true>(x, blocks, bias, y);
+  } else {
+    run<false>(x, blocks, bias, y);
+  }
+}
+
+torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
+                            const c10::optional<torch::Tensor>& bias, int64_t block_bytes, bool q4) {
+  TORCH_CHECK(x.dim() == 2 && blocks.dim() == 3, "x must be [M, K] and blocks [N, K / 32, bytes]");
+  torch::Tensor y = torch::empty({x.size(0), blocks.size(0)}, x.options().dtype(torch::kFloat));
+  check_and_run(x, blocks, bias, block_bytes, q4, y);
+  return y;
 }
 
 
@@ -225,6 +238,12 @@ torch::Tensor q4_1_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<tor
 // Returns float32 [M, N].
 torch::Tensor q8_0_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {
   return check_and_run(x, blocks, bias, kQ8_0Bytes, false);
+}
+
+// Into y [M, N] float32 contiguous (a preallocated buffer): Q4_1 blocks if `q4_1`, else Q8_0.
+void block_gemv_into(const torch::Tensor& x, const torch::Tensor& blocks, bool q4_1,
+                     const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
+  check_and_run(x, blocks, bias, q4_1 ? kQ4_1Bytes : kQ8_0Bytes, q4_1, y);
 }
 
 }  // namespace pagedlm_block

@@ -13,7 +13,9 @@
 //   x = o @ Wo.T (+ b);  h, residual = rms_norm(x + residual)
 //   x = down(silu_and_mul(gate_up(h)))
 //
-// and after the last layer the model's final norm. The model's Python layers
+// and after the last layer the model's final norm. Every kernel writes into activation
+// buffers the decoder keeps from step to step (Workspace, below), not into new tensors.
+// The model's Python layers
 // (models/llama.py) are the reference; models/llama_cpu_decode.py decides which models
 // qualify and tests/test_llama_cpu_decode.py compares the two.
 
@@ -61,18 +63,20 @@ class Linear {
 
   int64_t out_features() const { return out_features_; }
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // y = x @ W.T (+ bias); y [rows, out_features] float32 contiguous, preallocated.
+  void operator()(const torch::Tensor& x, torch::Tensor& y) const {
     switch (kind_) {
       case kQ8:
-        return q8_gemm(x, packed_, scales_, out_features_, q4_1_, bias_);
+        q8_gemm_into(x, packed_, scales_, out_features_, q4_1_, bias_, y);
+        return;
       case kBlock:
         if (x.size(0) <= max_rows_) {
-          return q4_1_ ? pagedlm_block::q4_1_gemv(x, blocks_, bias_)
-                       : pagedlm_block::q8_0_gemv(x, blocks_, bias_);
+          pagedlm_block::block_gemv_into(x, blocks_, q4_1_, bias_, y);
+          return;
         }
         [[fallthrough]];
       default:
-        return pagedlm_panel::panel_gemm(x, packed_, out_features_, bias_);
+        pagedlm_panel::panel_gemm_into(x, packed_, out_features_, bias_, y);
     }
   }
 
@@ -90,6 +94,40 @@ class Linear {
 };
 
 namespace {
+
+// A step's activations, reused by every layer and every step (grown to the largest batch
+// seen): the same few hundred kilobytes stay in cache, where a fresh tensor per op would
+// take its memory from wherever the allocator finds it, write-missing on every store.
+// The buffers are slices of one allocation, each starting 64 bytes further into a 4 KiB
+// page than the one before: buffers at equal page offsets (as separate large allocations
+// are) make the loads of one and the stores of another alias in the low 12 address bits,
+// which stalls the loads.
+struct Workspace {
+  int64_t rows = 0;  // capacity
+  torch::Tensor memory, residual, h, x, qkv, q, k, attn, gate_up, act;
+
+  void reserve(int64_t n, int64_t hidden, int64_t q_size, int64_t kv_size, int64_t inter2) {
+    if (n <= rows) return;
+    rows = std::max<int64_t>(n, 2 * rows);
+    const std::array<int64_t, 9> widths = {hidden, hidden, hidden, q_size + 2 * kv_size, q_size,
+                                           kv_size, q_size, inter2, inter2 / 2};
+    constexpr int64_t kPage = 1024, kStagger = 16;  // in floats: 4 KiB and 64 bytes
+    std::array<int64_t, 9> offsets{};
+    int64_t total = 0;
+    for (size_t i = 0; i < widths.size(); ++i) {
+      offsets[i] = total;
+      const int64_t end = total + rows * widths[i];
+      total = (end + kPage - 1) / kPage * kPage + static_cast<int64_t>(i + 1) * kStagger;
+    }
+    memory = torch::empty({total + kPage}, torch::kFloat);
+    // The first slice at a page boundary, whatever the allocator's alignment.
+    const int64_t lead = (kPage - (reinterpret_cast<uintptr_t>(memory.data_ptr<float>()) / 4) % kPage) % kPage;
+    std::array<torch::Tensor*, 9> bufs = {&residual, &h, &x, &qkv, &q, &k, &attn, &gate_up, &act};
+    for (size_t i = 0; i < widths.size(); ++i) {
+      *bufs[i] = memory.narrow(0, lead + offsets[i], rows * widths[i]).view({rows, widths[i]});
+    }
+  }
+};
 
 struct Layer {
   torch::Tensor input_norm, post_norm;
@@ -212,46 +250,62 @@ class LlamaDecoder {
                   num_slots, " slots)");
     }
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
+    const int64_t hidden = x.size(1);
+    TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                    hidden == layers_[0].input_norm.numel(),
+                "x must be a contiguous float32 [n, hidden] tensor");
+    const int64_t* pos = checked_positions(positions, n, cos_, sin_);
+    ws_.reserve(n, hidden, q_size, kv_size, layers_[0].linears[2].out_features());
+    auto rows = [n](const torch::Tensor& buf) { return buf.narrow(0, 0, n); };
+    torch::Tensor residual = rows(ws_.residual), h = rows(ws_.h), xb = rows(ws_.x);
+    torch::Tensor qkv = rows(ws_.qkv), gate_up = rows(ws_.gate_up), act = rows(ws_.act);
+    torch::Tensor q = rows(ws_.q).view({n, num_heads_, head_dim_});
+    torch::Tensor k = rows(ws_.k).view({n, num_kv_heads_, head_dim_});
+    torch::Tensor attn = rows(ws_.attn).view({n, num_heads_, head_dim_});
+    float* const res_p = residual.data_ptr<float>();
+    float* const h_p = h.data_ptr<float>();
+    float* const x_p = xb.data_ptr<float>();
+    // residual = the embedded tokens, then residual += each sub-layer's output, in place.
+    std::memcpy(res_p, x.data_ptr<float>(), n * hidden * sizeof(float));
     Clock clock(profile_ ? &seconds_ : nullptr);
-    torch::Tensor residual;
     for (size_t li = 0; li < layers_.size(); ++li) {
       Layer& layer = layers_[li];
-      torch::Tensor h;
       if (li == 0) {
-        residual = x;
-        h = rms_norm(x, layer.input_norm, eps_, c10::nullopt)[0];
+        rms_norm_rows(res_p, layer.input_norm.data_ptr<float>(), static_cast<float>(eps_), nullptr,
+                      nullptr, h_p, n, hidden);
       } else {
-        auto outs = rms_norm(x, layer.input_norm, eps_, residual);
-        h = outs[0];
-        residual = outs[1];
+        rms_norm_rows(x_p, layer.input_norm.data_ptr<float>(), static_cast<float>(eps_), res_p,
+                      res_p, h_p, n, hidden);
       }
       clock.lap(kNorms);
-      torch::Tensor qkv = layer.linears[0](h);  // [n, q_size + 2 kv_size]
+      layer.linears[0](h, qkv);  // [n, q_size + 2 kv_size]
       clock.lap(kQkv);
-      torch::Tensor q = qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_});
-      torch::Tensor k = qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_});
-      auto qk = rotary(positions, q, k, cos_, sin_);  // contiguous rotated copies
-      write_cache(qk[1].view({n, kv_size}), layer.k_cache, slots, n);
+      rotary_into(qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_}), pos, cos_, sin_, q);
+      rotary_into(qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_}), pos, cos_, sin_, k);
+      write_cache(k.view({n, kv_size}), layer.k_cache, slots, n);
       write_cache(qkv.narrow(1, q_size + kv_size, kv_size), layer.v_cache, slots, n);
-      float* q_p = qk[0].data_ptr<float>();
+      float* q_p = q.data_ptr<float>();
       for (int64_t i = 0; i < n * q_size; ++i) q_p[i] *= scale_;
       clock.lap(kRotaryCache);
-      torch::Tensor o = paged_decode(qk[0], layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0,
-                                     layer.window, c10::nullopt);  // [n, heads, head_dim]
+      paged_decode_into(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0, layer.window,
+                        c10::nullopt, attn);  // [n, heads, head_dim]
       clock.lap(kAttention);
-      x = layer.linears[1](o.view({n, q_size}));
+      layer.linears[1](attn.view({n, q_size}), xb);
       clock.lap(kO);
-      auto outs = rms_norm(x, layer.post_norm, eps_, residual);
-      residual = outs[1];
+      rms_norm_rows(x_p, layer.post_norm.data_ptr<float>(), static_cast<float>(eps_), res_p, res_p,
+                    h_p, n, hidden);
       clock.lap(kNorms);
-      torch::Tensor gate_up = layer.linears[2](outs[0]);
+      layer.linears[2](h, gate_up);
       clock.lap(kGateUp);
-      torch::Tensor act = silu_and_mul(gate_up);
+      silu_and_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), n, act.size(1));
       clock.lap(kSilu);
-      x = layer.linears[3](act);
+      layer.linears[3](act, xb);
       clock.lap(kDown);
     }
-    torch::Tensor out = rms_norm(x, final_norm_, eps_, residual)[0];
+    // A new tensor: the caller keeps it past the next step, which reuses the workspace.
+    torch::Tensor out = torch::empty({n, hidden}, torch::kFloat);
+    rms_norm_rows(x_p, final_norm_.data_ptr<float>(), static_cast<float>(eps_), res_p, res_p,
+                  out.data_ptr<float>(), n, hidden);
     clock.lap(kNorms);
     return out;
   }
@@ -273,6 +327,7 @@ class LlamaDecoder {
   float scale_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
+  Workspace ws_;
   bool profile_ = false;
   std::array<double, kParts> seconds_{};
 };

@@ -389,13 +389,13 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int64_t slots = static_cast<int64_t>(items.size());
   first_slot[num_seqs] = slots;
 
-  auto opts = torch::TensorOptions().dtype(torch::kFloat);
-  torch::Tensor acc = torch::empty({slots, num_heads, head_dim}, opts);
-  torch::Tensor maxes = torch::empty({slots, num_heads}, opts);
-  torch::Tensor sums = torch::empty({slots, num_heads}, opts);
-  float* acc_p = acc.data_ptr<float>();
-  float* max_p = maxes.data_ptr<float>();
-  float* sum_p = sums.data_ptr<float>();
+  // The items' partial results [slots, heads, head_dim] and per-head maxima and sums
+  // [slots, heads], in memory the calling thread keeps between calls (still in cache).
+  static thread_local std::vector<float> partials;
+  partials.resize(slots * num_heads * (head_dim + 2));
+  float* acc_p = partials.data();
+  float* max_p = acc_p + slots * num_heads * head_dim;
+  float* sum_p = max_p + slots * num_heads;
   const float* q_p = q.data_ptr<float>();
   const cache_t* k_p = k_cache.data_ptr<cache_t>();
   const cache_t* v_p = v_cache.data_ptr<cache_t>();
@@ -447,11 +447,12 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
 
 // query [num_seqs, num_heads, head_dim] float32 contiguous, already multiplied by the
 // softmax scale; caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
-// block_tables [num_seqs, max_blocks] int64; seq_lens on the host. Returns float32
-// [num_seqs, num_heads, head_dim].
-torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, std::vector<int64_t> seq_lens,
-                           double soft_cap, int64_t window, c10::optional<torch::Tensor> slopes) {
+// block_tables [num_seqs, max_blocks] int64; seq_lens on the host; out float32 contiguous
+// [num_seqs, num_heads, head_dim] (a preallocated buffer).
+void paged_decode_into(const torch::Tensor& query, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const std::vector<int64_t>& seq_lens, double soft_cap, int64_t window,
+                       const c10::optional<torch::Tensor>& slopes, torch::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && query.scalar_type() == torch::kFloat && query.is_contiguous(),
               "query must be a contiguous float32 [num_seqs, num_heads, head_dim] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -475,7 +476,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     TORCH_CHECK(slopes_f.numel() == query.size(1), "one ALiBi slope per query head");
     slopes_p = slopes_f.data_ptr<float>();
   }
-  torch::Tensor out = torch::empty_like(query);
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
+              "out must be a contiguous float32 tensor shaped as the query");
   const float cap = static_cast<float>(soft_cap);
   switch (k_cache.scalar_type()) {
     case torch::kFloat:
@@ -490,6 +492,14 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
   }
+}
+
+// As paged_decode_into, into a new tensor.
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                           torch::Tensor block_tables, std::vector<int64_t> seq_lens,
+                           double soft_cap, int64_t window, c10::optional<torch::Tensor> slopes) {
+  torch::Tensor out = torch::empty_like(query);
+  paged_decode_into(query, k_cache, v_cache, block_tables, seq_lens, soft_cap, window, slopes, out);
   return out;
 }
 

@@ -137,9 +137,9 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
 
 
 // x [M, K] float32 contiguous; packed [ceil(N / 16), K, 16] float32 or float16 contiguous;
-// bias [N] float32 or None. Returns float32 [M, N].
-torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
-                         c10::optional<torch::Tensor> bias) {
+// bias [N] float32 or None; y [M, N] float32 contiguous (a preallocated buffer).
+void panel_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,
+                     const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "panel GEMM runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
               "x must be a contiguous float32 [M, K] tensor");
@@ -157,8 +157,10 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
                 "bias must be contiguous float32 [N]");
     bias_p = bias->data_ptr<float>();
   }
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.scalar_type() == torch::kFloat &&
+                  y.is_contiguous(),
+              "y must be a contiguous float32 [", M, ", ", N, "] tensor");
+  if (M == 0 || N == 0) return;
   const float* x_p = x.data_ptr<float>();
   float* y_p = y.data_ptr<float>();
   const char* w_p = static_cast<const char*>(packed.data_ptr());
@@ -197,6 +199,14 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
       }
     }
   });
+}
+
+// As panel_gemm_into, into a new float32 [M, N] tensor.
+torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous float32 [M, K] tensor");
+  torch::Tensor y = torch::empty({x.size(0), N}, x.options().dtype(torch::kFloat));
+  panel_gemm_into(x, packed, N, bias, y);
   return y;
 }
 

@@ -229,12 +229,15 @@ void run_tile(int rows, const int8_t* r, const float* e, const float* s, int64_t
 #endif
 
 template <bool kQ4>
-torch::Tensor run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
-                  int64_t N, const c10::optional<torch::Tensor>& bias) {
+void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+              int64_t N, const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   const int64_t M = x.size(0), K = x.size(1), B = K / kBlock, P = packed.size(0);
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
-  Quantized qa;
+  if (M == 0 || N == 0) return;
+  // The calling thread's rounded activations, kept between calls: their memory is still in
+  // cache at the next call and needs no allocation. (A reference, so that the worker
+  // threads below use this thread's copy, not their own.)
+  static thread_local Quantized kept;
+  Quantized& qa = kept;
   quantize_rows(x.data_ptr<float>(), M, K, qa);
   const uint8_t* w_p = packed.data_ptr<uint8_t>();
   const float* sc_p = scales.data_ptr<float>();
@@ -261,16 +264,15 @@ torch::Tensor run_gemm(const torch::Tensor& x, const torch::Tensor& packed, cons
       }
     }
   });
-  return y;
 }
 
 }  // namespace
 
 // x [M, K] float32 contiguous, K a multiple of 32; packed and scales as in the header
-// (`q4_1` chooses the format); N output features; bias [N] float32 or None. Returns
-// float32 [M, N].
-torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
-                      bool q4_1, c10::optional<torch::Tensor> bias) {
+// (`q4_1` chooses the format); N output features; bias [N] float32 or None; y [M, N]
+// float32 with unit stride in the last dim (a preallocated buffer or a view of one).
+void q8_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                  int64_t N, bool q4_1, const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
               "q8_gemm runs on CPU tensors");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous(),
@@ -290,8 +292,26 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
                     bias->is_contiguous(),
                 "bias must be contiguous float32 [N]");
   }
-  return q4_1 ? run_gemm<true>(x, packed, scales, N, bias) : run_gemm<false>(x, packed, scales, N, bias);
+  TORCH_CHECK(y.dim() == 2 && y.size(0) == x.size(0) && y.size(1) == N &&
+                  y.scalar_type() == torch::kFloat && y.is_contiguous(),
+              "y must be a contiguous float32 [", x.size(0), ", ", N, "] tensor");
+  if (q4_1) {
+    run_gemm<true>(x, packed, scales, N, bias, y);
+  } else {
+    run_gemm<false>(x, packed, scales, N, bias, y);
+  }
 }
+
+// As q8_gemm_into, into a new float32 [M, N] tensor.
+torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, int64_t N,
+                      bool q4_1, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2, "x must be a contiguous float32 [M, K] tensor");
+  torch::Tensor y = torch::empty({x.size(0), N}, x.options().dtype(torch::kFloat));
+  q8_gemm_into(x, packed, scales, N, q4_1, bias, y);
+  return y;
+}
+
+
 
 #ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
