@@ -245,10 +245,11 @@ def _dequantise(mm: Q8WeightMatmul) -> torch.Tensor:
     if mm.q4_1:
         pairs = mm.packed.view(p, b, 4, 8, 4)
         q = torch.stack([pairs & 0x0F, pairs >> 4], dim=3).reshape(p, b, 8, 8, 4).float()
-        d, m = mm.scales[:, :, 0], mm.scales[:, :, 1]  # [P, B, 8]
+        d, m = mm.scales[:, :, 0].float(), mm.scales[:, :, 1].float()  # [P, B, 8]
     else:
         q = mm.packed.view(torch.int8).view(p, b, 8, 8, 4).float()
-        d, m = mm.scales, torch.zeros_like(mm.scales)
+        d = mm.scales.float()
+        m = torch.zeros_like(d)
     # q [P, B, group, feature, value] -> w [P, feature, B, group * value]
     w = q * d[:, :, None, :, None] + m[:, :, None, :, None]
     w = w.permute(0, 3, 1, 2, 4).reshape(p * 8, b * 32)

@@ -4,9 +4,9 @@ float32 scale per block), as llama.cpp does for these formats; the weights keep 
 exact values. See the C++ source for the maths and the packed layout:
 
     Q4_1  packed [ceil(N / 8), K / 32, 4, 32] uint8 (two 4-bit values a byte)
-          scales [ceil(N / 8), K / 32, 2, 8] float32 (d, m)
+          scales [ceil(N / 8), K / 32, 2, 8] float16 (d, m)
     Q8_0  packed [ceil(N / 8), K / 32, 8, 32] uint8 (int8 bits)
-          scales [ceil(N / 8), K / 32, 8] float32 (d)
+          scales [ceil(N / 8), K / 32, 8] float16 (d)
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def _panels(values: torch.Tensor) -> torch.Tensor:
 
 
 def _pad_scales(scale: torch.Tensor) -> torch.Tensor:
-    """[N, B] -> [P, B, 8] float32 (0 past N)."""
+    """[N, B] float16 -> [P, B, 8] float16 (0 past N)."""
     n, b = scale.shape
-    padded = torch.zeros(-(-n // COLS) * COLS, b, dtype=torch.float32)
-    padded[:n] = scale.float()
+    padded = torch.zeros(-(-n // COLS) * COLS, b, dtype=torch.float16)
+    padded[:n] = scale
     return padded.view(-1, COLS, b).transpose(1, 2).contiguous()
 
 
