@@ -227,7 +227,6 @@ torch::Tensor check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
   return y;
 }
 
-
 // x [M, K] float32 contiguous; blocks [N, K / 32, 20] uint8 (Q4_1); bias [N] or None.
 // Returns float32 [M, N].
 torch::Tensor q4_1_gemv(torch::Tensor x, torch::Tensor blocks, c10::optional<torch::Tensor> bias) {

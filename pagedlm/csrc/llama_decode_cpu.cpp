@@ -205,8 +205,8 @@ class LlamaDecoder {
   LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                torch::Tensor cos_cache, torch::Tensor sin_cache, torch::Tensor final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(eps), scale_(static_cast<float>(scale)), cos_(cos_cache), sin_(sin_cache),
-        final_norm_(final_norm) {
+        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), cos_(cos_cache),
+        sin_(sin_cache), final_norm_(final_norm) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                 "num_heads must be a positive multiple of num_kv_heads");
   }
@@ -271,11 +271,9 @@ class LlamaDecoder {
     for (size_t li = 0; li < layers_.size(); ++li) {
       Layer& layer = layers_[li];
       if (li == 0) {
-        rms_norm_rows(res_p, layer.input_norm.data_ptr<float>(), static_cast<float>(eps_), nullptr,
-                      nullptr, h_p, n, hidden);
+        rms_norm_rows(res_p, layer.input_norm.data_ptr<float>(), eps_, nullptr, nullptr, h_p, n, hidden);
       } else {
-        rms_norm_rows(x_p, layer.input_norm.data_ptr<float>(), static_cast<float>(eps_), res_p,
-                      res_p, h_p, n, hidden);
+        rms_norm_rows(x_p, layer.input_norm.data_ptr<float>(), eps_, res_p, res_p, h_p, n, hidden);
       }
       clock.lap(kNorms);
       layer.linears[0](h, qkv);  // [n, q_size + 2 kv_size]
@@ -292,7 +290,7 @@ class LlamaDecoder {
       clock.lap(kAttention);
       layer.linears[1](attn.view({n, q_size}), xb);
       clock.lap(kO);
-      rms_norm_rows(x_p, layer.post_norm.data_ptr<float>(), static_cast<float>(eps_), res_p, res_p,
+      rms_norm_rows(x_p, layer.post_norm.data_ptr<float>(), eps_, res_p, res_p,
                     h_p, n, hidden);
       clock.lap(kNorms);
       layer.linears[2](h, gate_up);
@@ -304,7 +302,7 @@ class LlamaDecoder {
     }
     // A new tensor: the caller keeps it past the next step, which reuses the workspace.
     torch::Tensor out = torch::empty({n, hidden}, torch::kFloat);
-    rms_norm_rows(x_p, final_norm_.data_ptr<float>(), static_cast<float>(eps_), res_p, res_p,
+    rms_norm_rows(x_p, final_norm_.data_ptr<float>(), eps_, res_p, res_p,
                   out.data_ptr<float>(), n, hidden);
     clock.lap(kNorms);
     return out;
@@ -323,7 +321,7 @@ class LlamaDecoder {
 
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
-  double eps_;
+  float eps_;  // as the RMSNorm kernel takes it
   float scale_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;

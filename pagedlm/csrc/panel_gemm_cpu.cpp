@@ -135,7 +135,6 @@ void widen(const uint16_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(c10::Half(src[i], c10::Half::from_bits()));
 }
 
-
 // x [M, K] float32 contiguous; packed [ceil(N / 16), K, 16] float32 or float16 contiguous;
 // bias [N] float32 or None; y [M, N] float32 contiguous (a preallocated buffer).
 void panel_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, int64_t N,

@@ -277,7 +277,7 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
 
 // x [M, K] float32 contiguous, K a multiple of 32; packed and scales as in the header
 // (`q4_1` chooses the format); N output features; bias [N] float32 or None; y [M, N]
-// float32 with unit stride in the last dim (a preallocated buffer or a view of one).
+// float32 contiguous (a preallocated buffer, or leading rows of one).
 void q8_gemm_into(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                   int64_t N, bool q4_1, const c10::optional<torch::Tensor>& bias, torch::Tensor& y) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scales.device().is_cpu(),
@@ -317,8 +317,6 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   q8_gemm_into(x, packed, scales, N, q4_1, bias, y);
   return y;
 }
-
-
 
 #ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
