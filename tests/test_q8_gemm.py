@@ -121,6 +121,22 @@ def test_thread_counts_give_identical_results():
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
 
 
+@pytest.mark.parametrize("ggml_type", list(FORMATS))
+def test_each_row_is_computed_as_if_alone(ggml_type):
+    """Bit for bit, a row's result does not depend on the rows beside it: not on its place in
+    a micro-kernel tile, nor on the chunk of rows it falls in (250 rows of 1536 features run
+    in three chunks), nor on whether its panel is paired with the next one (20 features: one
+    pair and a ragged panel alone)."""
+    g = torch.Generator().manual_seed(11)
+    blocks, weight = FORMATS[ggml_type](20, 1536, g)
+    mm = Q8WeightMatmul(blocks, ggml_type)
+    x = torch.randn(250, 1536, generator=g)
+    together = mm(x, None)
+    for i in range(x.shape[0]):
+        assert torch.equal(together[i], mm(x[i : i + 1], None)[0]), f"row {i}"
+    _check(x, blocks, weight, ggml_type)
+
+
 def test_leading_dims_and_dtype_are_kept():
     g = torch.Generator().manual_seed(1)
     blocks, weight = random_q8_0(16, 64, g)

@@ -66,7 +66,10 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference rounding of x [M, K] float32: (r [M, K] in -127..127 as float, e [M, K/32])."""
     blocks = x.float().view(x.shape[0], -1, BLOCK)
     amax = blocks.abs().amax(dim=-1)  # [M, B]
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax correctly rounded, as the kernel's scalar division is: torch's `127.0 / amax`
+    # (a Python number over a tensor) is not, and one ulp off turns a product of exactly
+    # k + 0.5 into a different integer.
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     r = torch.round(blocks * inv[..., None]).clamp(-127, 127)
     return r.view_as(x), amax / 127.0
 
