@@ -11,33 +11,17 @@ the difference between two kernels, only such a side-by-side comparison means an
 """
 
 import argparse
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from revision_build import build_revision
 
 from pagedlm.attention.cpu_kernels import load_cpu_kernels
-from pagedlm.csrc import CFLAGS, LDFLAGS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, NUM_BLOCKS, LAYERS = 9, 3, 64, 16, 5825, 30
-REPO = Path(__file__).resolve().parents[2]
 SOURCES = ["pagedlm/csrc/paged_attention_cpu.cpp", "pagedlm/csrc/cpu_vec.h"]
-
-
-def build_revision(rev: str, workdir: Path):
-    """The decode kernel as it was at git revision ``rev``, compiled as its own module."""
-    from torch.utils.cpp_extension import load
-
-    for path in SOURCES:
-        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"],
-                              check=True, capture_output=True, text=True).stdout
-        (workdir / Path(path).name).write_text(text)
-    name = "pagedlm_attention_rev_" + "".join(c for c in rev if c.isalnum())
-    return load(name=name, sources=[str(workdir / "paged_attention_cpu.cpp")],
-                extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                build_directory=str(workdir), verbose=False)
 
 
 def main() -> None:
@@ -53,7 +37,7 @@ def main() -> None:
         raise SystemExit("the CPU attention kernels are not available")
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline_rev:
-            kernels[args.baseline_rev] = build_revision(args.baseline_rev, Path(tmp))
+            kernels[args.baseline_rev] = build_revision(args.baseline_rev, SOURCES, Path(tmp))
         run(kernels, args)
 
 

@@ -9,7 +9,6 @@ side-by-side comparison means anything. Both must give bit-identical results.
 """
 
 import argparse
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -18,28 +17,15 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from revision_build import build_revision
 
-from pagedlm.csrc import CFLAGS, LDFLAGS
 from pagedlm.layers.block_weights import BlockWeight
 from pagedlm.layers.q8_weights import pack_blocks, q8_kernels
 from pagedlm.loader.gguf_format import dequantize_raw
 
-REPO = Path(__file__).resolve().parents[2]
 SOURCE = "pagedlm/csrc/q8_gemm_cpu.cpp"
 # (out_features, in_features, layers): qkv, o, gate_up, down, LM head
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
-
-
-def build_revision(rev: str, workdir: Path):
-    """The kernel as it was at git revision ``rev``, compiled as its own module."""
-    from torch.utils.cpp_extension import load
-
-    text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{SOURCE}"],
-                          check=True, capture_output=True, text=True).stdout
-    (workdir / "q8_gemm_cpu.cpp").write_text(text)
-    name = "pagedlm_q8_gemm_rev_" + "".join(c for c in rev if c.isalnum())
-    return load(name=name, sources=[str(workdir / "q8_gemm_cpu.cpp")], extra_cflags=CFLAGS,
-                extra_ldflags=LDFLAGS, build_directory=str(workdir), verbose=False)
 
 
 def weights():
@@ -98,7 +84,7 @@ def main() -> None:
         raise SystemExit("the int8 kernel is not available")
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline_rev:
-            kernels[args.baseline_rev] = build_revision(args.baseline_rev, Path(tmp))
+            kernels[args.baseline_rev] = build_revision(args.baseline_rev, [SOURCE], Path(tmp))
         compare(kernels, args.rows, args.rounds)
 
 
