@@ -17,6 +17,8 @@
 // Why: on AVX2 one vpmaddubsw multiplies 32 byte pairs and adds them pairwise, four times
 // the multiply-adds of one float32 FMA, and the CPU issues two of either per cycle; the
 // int16 sums of a Q4_1 block (8 groups, each lane <= 2 * 15 * 127 = 3810) cannot overflow.
+// Where the compiler targets AVX-512 VNNI, pairs of panels run through one 512-bit
+// vpdpbusd per row and group instead (tile512): the same integer sums, the same bits.
 //
 // Layout, for panels of 8 output features (P = ceil(N / 8), B = K / 32, 0 past N):
 //
@@ -48,6 +50,9 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define PAGEDLM_Q8_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PAGEDLM_Q8_VNNI512 1
+#endif
 #endif
 
 namespace {
@@ -57,10 +62,12 @@ constexpr int64_t kCols = 8;     // output features per panel
 constexpr int64_t kGroups = 8;   // groups of 4 values per block
 constexpr int64_t kUnpackRows = 32;  // up to this many rows of x, Q4_1 panels stay packed
 
-// Activations of one call: r [M, K] int8, e and s [M, B] float32 (see the header).
+// Activations of one call: r [M, K] int8, e and s [M, B] float32 (see the header); c [M, B]
+// = -128 * sum_j r[i, 32b + j], the offset term of a Q8_0 block's products with w + 128.
 struct Quantized {
   std::vector<int8_t> r;
   std::vector<float> e, s;
+  std::vector<int32_t> c;
 };
 
 void quantize_rows(const float* x, int64_t M, int64_t K, Quantized& qa) {
@@ -68,6 +75,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Quantized& qa) {
   qa.r.resize(M * K);
   qa.e.resize(M * B);
   qa.s.resize(M * B);
+  qa.c.resize(M * B);
   at::parallel_for(0, M * B, 64, [&](int64_t begin, int64_t end) {
     for (int64_t ib = begin; ib < end; ++ib) {
       const float* xb = x + ib * kBlock;  // row i, block b: x is [M, K] contiguous
@@ -85,6 +93,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Quantized& qa) {
       }
       qa.e[ib] = e;
       qa.s[ib] = e * static_cast<float>(sum);
+      qa.c[ib] = -128 * sum;
     }
   });
 }
@@ -231,6 +240,105 @@ inline void tile(const int8_t* r, const float* e, const float* s, int64_t K, con
 }
 #undef PAGEDLM_ROWS
 
+#ifdef PAGEDLM_Q8_VNNI512
+// Two panels in one 512-bit register (features 0-7 of the first, then of the second) and
+// vpdpbusd, which multiplies 4 unsigned by 4 signed bytes and adds them to an int32 lane in
+// one operation (AVX2 takes vpmaddubsw, vpaddw and, per block, vpmaddwd). The same exact
+// integer sums and the same float32 operations as `tile`, so the same bits. Q4_1: nibbles
+// (unsigned) times activations (signed). Q8_0 has signed weights: w + 128 (unsigned)
+// times r, its block sum started at c = -128 sum r instead of 0.
+template <int kRows, bool kQ4, bool kPacked>
+inline void tile512(const int8_t* r, const float* e, const float* s, const int32_t* c, int64_t K,
+                    const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride,
+                    float* out) {
+  static_assert(kRows >= 1 && kRows <= 8, "up to 8 rows");
+  const int64_t B = K / kBlock;
+#define PAGEDLM_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define PAGEDLM_DECL(i) __m512 f##i = _mm512_setzero_ps(); const int8_t* r##i = r + i * K;
+  PAGEDLM_ROWS8(PAGEDLM_DECL)
+#undef PAGEDLM_DECL
+  // Both panels' 32 bytes of a group (or a Q4_1 pair of groups) side by side.
+  auto both = [&](const uint8_t* p) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + wstride)), 1);
+  };
+  auto scales16 = [&](const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
+  };
+  for (int64_t b = 0; b < B; ++b) {
+#define PAGEDLM_DECL(i) \
+  __m512i a##i = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(kRows > i ? c[i * B + b] : 0);
+    PAGEDLM_ROWS8(PAGEDLM_DECL)
+#undef PAGEDLM_DECL
+    const uint8_t* wb = w + b * (kPacked ? kGroups / 2 : kGroups) * 32;
+    const int64_t k0 = b * kBlock;
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroups; ++g) {
+      __m512i wg;
+      if constexpr (kPacked) {
+        const __m512i p = both(wb + (g / 2) * 32);
+        wg = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p, 4) : p, _mm512_set1_epi8(0x0F));
+      } else if constexpr (kQ4) {
+        wg = both(wb + g * 32);
+      } else {
+        wg = _mm512_xor_si512(both(wb + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
+      int32_t bits;
+#define PAGEDLM_ROW(i)                                                   \
+  if constexpr (kRows > i) {                                             \
+    std::memcpy(&bits, r##i + k0 + 4 * g, 4);                            \
+    a##i = _mm512_dpbusd_epi32(a##i, wg, _mm512_set1_epi32(bits));       \
+  }
+      PAGEDLM_ROWS8(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    }
+    const at::Half* sb = sc + b * (kQ4 ? 16 : 8);
+    const __m512 d = scales16(sb);
+    if constexpr (kQ4) {
+      const __m512 m = scales16(sb + 8);
+#define PAGEDLM_ROW(i)                                                                     \
+  if constexpr (kRows > i) {                                                               \
+    f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d, _mm512_set1_ps(e[i * B + b])), f##i); \
+    f##i = _mm512_fmadd_ps(m, _mm512_set1_ps(s[i * B + b]), f##i);                        \
+  }
+      PAGEDLM_ROWS8(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    } else {
+#define PAGEDLM_ROW(i)                                                                     \
+  if constexpr (kRows > i)                                                                 \
+    f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d, _mm512_set1_ps(e[i * B + b])), f##i);
+      PAGEDLM_ROWS8(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    }
+  }
+#define PAGEDLM_ROW(i) if constexpr (kRows > i) _mm512_storeu_ps(out + i * 2 * kCols, f##i);
+  PAGEDLM_ROWS8(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+#undef PAGEDLM_ROWS8
+}
+
+template <bool kQ4, bool kPacked>
+void run_tile512(int rows, const int8_t* r, const float* e, const float* s, const int32_t* c,
+                 int64_t K, const uint8_t* w, int64_t wstride, const at::Half* sc,
+                 int64_t sstride, float* out) {
+#define PAGEDLM_TILE(n) tile512<n, kQ4, kPacked>(r, e, s, c, K, w, wstride, sc, sstride, out)
+  switch (rows) {
+    case 1: PAGEDLM_TILE(1); break;
+    case 2: PAGEDLM_TILE(2); break;
+    case 3: PAGEDLM_TILE(3); break;
+    case 4: PAGEDLM_TILE(4); break;
+    case 5: PAGEDLM_TILE(5); break;
+    case 6: PAGEDLM_TILE(6); break;
+    case 7: PAGEDLM_TILE(7); break;
+    default: PAGEDLM_TILE(8); break;
+  }
+#undef PAGEDLM_TILE
+}
+#endif
+
 template <int kPan, bool kQ4, bool kPacked>
 void run_tile(int rows, const int8_t* r, const float* e, const float* s, int64_t K,
               const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride, float* out) {
@@ -289,11 +397,22 @@ template <int kPan, bool kQ4, bool kPacked>
 void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, const uint8_t* w,
                 int64_t wstride, const at::Half* sc, int64_t sstride, int64_t p, int64_t N,
                 const float* bias, float* y) {
-  constexpr int kTile = kPan == 1 ? 6 : 4;
+#ifdef PAGEDLM_Q8_VNNI512
+  constexpr bool kWide = kPan == 2;  // pairs of panels go through tile512
+#else
+  constexpr bool kWide = false;
+#endif
+  constexpr int kTile = kWide ? 8 : kPan == 1 ? 6 : 4;
   const int64_t B = K / kBlock;
-  alignas(32) float out[kTile * kPan * kCols];
+  alignas(64) float out[kTile * kPan * kCols];
   for (int64_t i0 = i_begin; i0 < i_end; i0 += kTile) {
     const int rows = static_cast<int>(std::min<int64_t>(kTile, i_end - i0));
+#ifdef PAGEDLM_Q8_VNNI512
+    if constexpr (kWide) {
+      run_tile512<kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B,
+                                qa.c.data() + i0 * B, K, w, wstride, sc, sstride, out);
+    } else
+#endif
     run_tile<kPan, kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B, K,
                         w, wstride, sc, sstride, out);
     for (int j = 0; j < kPan; ++j) {
@@ -329,10 +448,14 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   // panel of the thread runs over them (a Q4_1 panel is widened again per chunk: 1/mc of
   // the work). Measured 1.2x at 2048 rows over one pass of every panel.
   const int64_t mc = std::max<int64_t>(24, (196608 / K) / 12 * 12);
-  // Threads split units of panels: Q4_1 pairs (the last panel alone where P is odd); Q8_0
-  // single panels, whose two extra operations per multiply (sign, widening) leave no
+  // Threads split units of panels: pairs (the last panel alone where P is odd), except for
+  // Q8_0 on AVX2, whose two extra operations per multiply (sign, widening) leave no
   // registers for a second panel (pairs measured 0.7x at 4 rows on the LM head).
+#ifdef PAGEDLM_Q8_VNNI512
+  constexpr int64_t kUnit = 2;  // 512-bit tiles hold Q8_0 pairs too
+#else
   constexpr int64_t kUnit = kQ4 ? 2 : 1;
+#endif
   // Up to kUnpackRows rows, the tiles unpack Q4_1 nibbles in registers instead of reading
   // a widened copy: 1.5 operations per group and row tile against a store and reload of
   // every panel per call, which dominates when a panel meets few rows. Measured per layer
@@ -344,7 +467,7 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
       const int64_t m1 = std::min(M, m0 + mc);
       for (int64_t u = begin; u < end; ++u) {
         const int64_t p = kUnit * u;
-        const bool pair = kQ4 && p + 1 < P;
+        const bool pair = kUnit == 2 && p + 1 < P;
         const uint8_t* w = w_p + p * panel_bytes;
         const at::Half* sc = sc_p + p * scale_count;
         if (in_registers) {
