@@ -80,6 +80,36 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Quantized& qa) {
     for (int64_t ib = begin; ib < end; ++ib) {
       const float* xb = x + ib * kBlock;  // row i, block b: x is [M, K] contiguous
       int8_t* rb = qa.r.data() + ib * kBlock;
+#ifdef PAGEDLM_Q8_AVX2
+      // The loop below on 8 lanes: the same products, rounded by vcvtps2dq (to nearest,
+      // half to even, as nearbyint in the default rounding mode).
+      __m256 v[4];
+      __m256 vmax = _mm256_setzero_ps();
+      const __m256 no_sign = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+      for (int j = 0; j < 4; ++j) {
+        v[j] = _mm256_loadu_ps(xb + 8 * j);
+        vmax = _mm256_max_ps(_mm256_and_ps(v[j], no_sign), vmax);  // a NaN lane keeps vmax, as std::max
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+      const float e = amax / 127.f;
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      const __m256 vinv = _mm256_set1_ps(inv);
+      const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+      __m256i q[4], vsum = _mm256_setzero_si256();
+      for (int j = 0; j < 4; ++j) {
+        q[j] = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv)), lo), hi);
+        vsum = _mm256_add_epi32(vsum, q[j]);
+      }
+      // int32 -> int8 in order: the packs work within 128-bit lanes, the permute undoes that.
+      const __m256i q16 = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(rb),
+                          _mm256_permutevar8x32_epi32(q16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(vsum), _mm256_extracti128_si256(vsum, 1));
+      s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+      const int32_t sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
       float amax = 0.f;
       for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
       const float e = amax / 127.f;
@@ -91,6 +121,7 @@ void quantize_rows(const float* x, int64_t M, int64_t K, Quantized& qa) {
         rb[j] = static_cast<int8_t>(std::clamp(v, -127, 127));
         sum += rb[j];
       }
+#endif
       qa.e[ib] = e;
       qa.s[ib] = e * static_cast<float>(sum);
       qa.c[ib] = -128 * sum;
