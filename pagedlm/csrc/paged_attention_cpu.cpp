@@ -187,6 +187,108 @@ inline void pv_heads(const float* p, int64_t n, const cache_t* const* toks, int6
   }
 }
 
+#if defined(__AVX512F__)
+#define PAGEDLM_TILED512 1
+// The tiles above on 16 lanes, for head_dim % 16 == 0 where the compiler targets AVX-512:
+// half the multiply-adds and conversions per value, and a 64-wide head's V in one pass of
+// 4 registers per head instead of two passes of 4. Only the order of the float32 sums
+// differs from the 8-lane tiles.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// The 16 lanes folded to 8 (lane j + lane j + 8).
+inline __m256 fold(__m512 v) {
+  return _mm256_add_ps(_mm512_castps512_ps256(v),
+                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+template <int NG, typename cache_t>
+inline void qk_tile512(const float* q, const cache_t* const* toks, int64_t off, int count,
+                       int64_t head_dim, float* scores, int64_t n, int64_t i) {
+  const cache_t* r[4];
+  for (int t = 0; t < 4; ++t) r[t] = toks[std::min(t, count - 1)] + off;
+  __m512 acc[NG][4];
+  for (int g = 0; g < NG; ++g)
+    for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    __m512 qv[NG];
+    for (int g = 0; g < NG; ++g) qv[g] = _mm512_loadu_ps(q + g * head_dim + d);
+    for (int t = 0; t < 4; ++t) {
+      const __m512 kv = load16(r[t] + d);
+      for (int g = 0; g < NG; ++g) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    const __m128 s = hsum4(fold(acc[g][0]), fold(acc[g][1]), fold(acc[g][2]), fold(acc[g][3]));
+    if (count == 4) {
+      _mm_storeu_ps(scores + g * n + i, s);
+    } else {
+      alignas(16) float out[4];
+      _mm_store_ps(out, s);
+      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
+    }
+  }
+}
+
+template <int NG, int CB, typename cache_t>
+inline void pv_tile512(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                       int64_t d0, float* acc, int64_t head_dim, int64_t token_bytes) {
+  __m512 a[NG][CB];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CB; ++c) a[g][c] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; ++i) {
+    if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens], token_bytes);
+    __m512 pb[NG];
+    for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(p[g * n + i]);
+    const cache_t* row = toks[i] + off + d0;
+    for (int c = 0; c < CB; ++c) {
+      const __m512 v = load16(row + 16 * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(pb[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + g * head_dim + d0 + 16 * c, a[g][c]);
+}
+
+template <int NG, typename cache_t>
+inline void pv_heads512(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                        float* acc, int64_t head_dim, int64_t token_bytes) {
+  int64_t d0 = 0;
+  for (; d0 + 64 <= head_dim; d0 += 64, token_bytes = 0) {
+    pv_tile512<NG, 4>(p, n, toks, off, d0, acc, head_dim, token_bytes);
+  }
+  switch ((head_dim - d0) / 16) {
+    case 3: pv_tile512<NG, 3>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 2: pv_tile512<NG, 2>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 1: pv_tile512<NG, 1>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    default: break;
+  }
+}
+#endif
+
+// The 16-lane tiles where they apply, else the 8-lane ones.
+template <int NG, typename cache_t>
+inline void qk_tile_any(const float* q, const cache_t* const* toks, int64_t off, int count,
+                        int64_t head_dim, float* scores, int64_t n, int64_t i) {
+#if defined(PAGEDLM_TILED512)
+  if (head_dim % 16 == 0) return qk_tile512<NG>(q, toks, off, count, head_dim, scores, n, i);
+#endif
+  qk_tile<NG>(q, toks, off, count, head_dim, scores, n, i);
+}
+template <int NG, typename cache_t>
+inline void pv_heads_any(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                         float* acc, int64_t head_dim, int64_t token_bytes) {
+#if defined(PAGEDLM_TILED512)
+  if (head_dim % 16 == 0) return pv_heads512<NG>(p, n, toks, off, acc, head_dim, token_bytes);
+#endif
+  pv_heads<NG>(p, n, toks, off, acc, head_dim, token_bytes);
+}
+
 // scores[h, i] = q_h . k_i for every query head h (scores [H, n], q [H, D]): token tiles
 // front to back, each tile's K values for all kv heads (one contiguous run per token)
 // before the next tile, NG <= 3 query heads of a group at a time. The loop also fetches
@@ -209,9 +311,9 @@ void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* 
         const float* qh = q + head * head_dim;
         float* s = scores + head * n;
         switch (std::min<int64_t>(3, group - g0)) {
-          case 3: qk_tile<3>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
-          case 2: qk_tile<2>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
-          default: qk_tile<1>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+          case 3: qk_tile_any<3>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+          case 2: qk_tile_any<2>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
+          default: qk_tile_any<1>(qh, k_toks + i, h * head_dim, count, head_dim, s, n, i); break;
         }
       }
     }
@@ -231,9 +333,9 @@ void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t num
       const float* ph = p + head * n;
       float* a = acc + head * head_dim;
       switch (std::min<int64_t>(3, group - g0)) {
-        case 3: pv_heads<3>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
-        case 2: pv_heads<2>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
-        default: pv_heads<1>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+        case 3: pv_heads_any<3>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+        case 2: pv_heads_any<2>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
+        default: pv_heads_any<1>(ph, n, v_toks, h * head_dim, a, head_dim, token_bytes); break;
       }
     }
   }
