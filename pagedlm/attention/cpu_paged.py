@@ -4,16 +4,24 @@ The torch backend gathers each decode's whole context into a padded copy before 
 which on a CPU costs a write and a re-read of every K/V row per layer and step; the
 kernel (pagedlm/csrc/paged_attention_cpu.cpp) reads the rows in place from the cache
 blocks, in one call for all decodes of the step, split over the context so that even a
-single long sequence keeps every core busy. Prefills (compute-bound, one SDPA call each)
-stay on the torch path. `attention/reference.py` is the slow reference both are tested
-against.
+single long sequence keeps every core busy. Prefills go to a second kernel
+(pagedlm/csrc/prefill_attention_cpu.cpp), also one call for all of the step's, which
+balances them over the threads; torch's SDPA, one call per prefill, measured half its speed
+at ShareGPT lengths (benchmarks/cpu/prefill_attention.py). ALiBi and logit soft-capping
+prefills stay on the torch path. `attention/reference.py` is the slow reference all are
+tested against.
 """
 
 from __future__ import annotations
 
 import torch
 
-from pagedlm.attention.cpu_kernels import load_cpu_kernels, paged_decode_attention
+from pagedlm.attention.cpu_kernels import (
+    load_cpu_kernels,
+    paged_decode_attention,
+    paged_prefill_attention,
+    prefill_kernel_supports,
+)
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.attention.torch_paged import TorchPagedAttention
 
@@ -49,4 +57,31 @@ class CpuPagedAttention(TorchPagedAttention):
         out[:num_decodes] = paged_decode_attention(
             query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
             meta.seq_lens_cpu[:num_decodes], scale, alibi_slopes, sliding_window, logits_soft_cap,
+        )
+
+    def _prefills(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows num_decodes: written
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> None:
+        if (query.device.type != "cpu" or alibi_slopes is not None or logits_soft_cap is not None
+                or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                or not prefill_kernel_supports(query.shape[-1])):
+            super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out, alibi_slopes,
+                              sliding_window, logits_soft_cap)
+            return
+        first = meta.query_start_loc_cpu[meta.num_decodes]
+        starts = [s - first for s in meta.query_start_loc_cpu[meta.num_decodes:]]
+        out[first:] = paged_prefill_attention(
+            query[first:], k_cache, v_cache, meta.block_tables[meta.num_decodes:],
+            starts, meta.seq_lens_cpu[meta.num_decodes:], scale, sliding_window,
         )

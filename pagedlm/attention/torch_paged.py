@@ -148,10 +148,29 @@ class TorchPagedAttention:
         opts = (alibi_slopes, sliding_window, logits_soft_cap)
         if meta.num_decodes > 0:
             self._decodes(query, k_cache, v_cache, meta, scale, out, *opts)
+        if meta.num_decodes < meta.num_seqs:
+            self._prefills(query, key, value, k_cache, v_cache, meta, scale, out, *opts)
+        return out
+
+    def _prefills(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows num_decodes: written
+        alibi_slopes: torch.Tensor | None,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> None:
+        """Every prefill (or prefill chunk) of the step, one request at a time."""
+        opts = (alibi_slopes, sliding_window, logits_soft_cap)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
             out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, *opts)
-        return out
 
     def _decodes(
         self,

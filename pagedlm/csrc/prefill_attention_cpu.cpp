@@ -1,0 +1,376 @@
+// Causal prefill attention for CPU over every prefill (or prefill chunk) of a step in one
+// parallel region, K/V read from the paged cache (the step's own tokens are already
+// written there, so a prefix from the cache and the new tokens are read alike).
+//
+// Cache layout (one layer): [num_blocks, block_size, num_kv_heads, head_dim], as in
+// paged_attention_cpu.cpp. Query i of sequence r sits at position q_first + i,
+// q_first = seq_len - q_len, and sees key j iff j <= q_first + i and (window <= 0 or
+// q_first + i - j < window); score = (q . k_j) * scale (the maths of attention/reference.py).
+//
+// Work item = (sequence, kv head, block of queries): its R rows are the `group` query
+// heads of the kv head times the block's queries (row = g * QB + i), so one pass over a
+// K/V row serves every query head that shares it. An item walks its visible keys in
+// chunks of kChunk with the online softmax (running maximum m and sum l per row):
+//
+//   S[key, row] = k_key . q_row           (Q transposed once: a key's value broadcast
+//                                           times R/W rows of q per multiply-add)
+//   m' = max(m, max_key S);  P = exp(S - m');  l = l exp(m - m') + sum_key P
+//   O[row, :] = O[row, :] exp(m - m') + sum_key P[key, row] v_key
+//
+// and writes O / l. Both products are register tiles of broadcast-times-vector FMAs,
+// W = 16 lanes with AVX-512 and 8 without (GCC vector extensions). Items run longest first
+// and are handed out one at a time, so the threads finish together although causal items
+// differ in length: torch's SDPA takes one call per sequence, each split on its own.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <vector>
+#if defined(__F16C__) || defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include "cpu_vec.h"
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kW = 16;  // lanes per vector
+constexpr int kKeyTile = 8, kRowVecTile = 3;  // QK tile: keys x row vectors (24 accumulators)
+constexpr int kRowTile = 6, kDimVecTile = 4;  // PV tile: rows x head_dim vectors (24)
+#else
+constexpr int kW = 8;
+constexpr int kKeyTile = 4, kRowVecTile = 2;  // 8 of the 16 ymm registers
+constexpr int kRowTile = 3, kDimVecTile = 4;  // 12
+#endif
+constexpr int64_t kChunk = 128;   // keys per online-softmax step
+constexpr int64_t kRowsPerItem = 48;  // about this many rows (query heads x queries) per item
+
+typedef float vf __attribute__((vector_size(kW * 4)));
+typedef float vfu __attribute__((vector_size(kW * 4), aligned(4)));  // unaligned access
+typedef int32_t vi __attribute__((vector_size(kW * 4)));
+
+inline vf load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+inline void store(float* p, vf v) { *reinterpret_cast<vfu*>(p) = v; }
+// A broadcast: from memory where x is a load (`vf{} + x` would add 0.0 first, then
+// broadcast from a register, a shuffle-port operation that competes with the FMAs).
+#if defined(__AVX512F__)
+inline vf splat(float x) { return _mm512_set1_ps(x); }
+#elif defined(__AVX__)
+inline vf splat(float x) { return _mm256_set1_ps(x); }
+#else
+inline vf splat(float x) { return vf{} + x; }
+#endif
+
+// exp on every lane, the steps of pagedlm_vec::exp_approx.
+inline vf exp_vec(vf x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const vf t = x * 1.44269504088896341f;
+  const vf n = (t + 12582912.0f) - 12582912.0f;
+  const vf r = t - n;
+  vf p = splat(1.535336188319500e-4f);
+  p = p * r + 1.339887440266574e-3f;
+  p = p * r + 9.618437357674640e-3f;
+  p = p * r + 5.550332471162809e-2f;
+  p = p * r + 2.402264791363012e-1f;
+  p = p * r + 6.931472028550421e-1f;
+  p = p * r + 1.0f;
+  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  return p * reinterpret_cast<const vf&>(bits);
+}
+
+// n values of one cache row as float32.
+inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_float(const at::Half* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__F16C__)
+  for (; d + 8 <= n; d += 8) {
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
+  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+struct Item {
+  int64_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
+  int64_t cost;                           // visible (query head, key) pairs, for ordering
+};
+
+// Per-thread scratch of one item.
+struct Scratch {
+  std::vector<float> qt;   // [D, R] queries transposed, scaled
+  std::vector<float> k, v; // [kChunk, D] a chunk's K and V rows as float32
+  std::vector<float> s;    // [kChunk, R] scores, then probabilities
+  std::vector<float> o;    // [R, D] running output
+  std::vector<float> m, l; // [R] running maximum and sum
+  std::vector<float> corr; // [R] this chunk's rescaling of o and l
+  std::vector<int32_t> qpos, lo;  // [R] a row's query position and first visible key
+};
+
+// S[key0 .. key0 + kKeyTile, rv0 * W .. (rv0 + RV) * W) over the whole head_dim.
+template <int RV>
+inline void qk_tile(const float* k, int64_t key0, const float* qt, int64_t R, int64_t D,
+                    float* s, int64_t rv0) {
+  vf acc[kKeyTile][RV];
+  for (int t = 0; t < kKeyTile; ++t)
+    for (int j = 0; j < RV; ++j) acc[t][j] = vf{};
+  for (int64_t d = 0; d < D; ++d) {
+    vf q[RV];
+    for (int j = 0; j < RV; ++j) q[j] = load(qt + d * R + (rv0 + j) * kW);
+#pragma GCC unroll 8
+    for (int t = 0; t < kKeyTile; ++t) {
+      const vf kb = splat(k[(key0 + t) * D + d]);
+      for (int j = 0; j < RV; ++j) acc[t][j] += kb * q[j];
+    }
+  }
+  for (int t = 0; t < kKeyTile; ++t)
+    for (int j = 0; j < RV; ++j) store(s + (key0 + t) * R + (rv0 + j) * kW, acc[t][j]);
+}
+
+// O[row0 .. row0 + RT, dv0 * W .. (dv0 + DV) * W) = O * corr[row] + sum_key P[key, row] v_key.
+template <int RT, int DV>
+inline void pv_tile(const float* s, const float* v, int64_t keys, int64_t R, int64_t D,
+                    const float* corr, float* o, int64_t row0, int64_t dv0) {
+  vf acc[RT][DV];
+  for (int i = 0; i < RT; ++i)
+    for (int j = 0; j < DV; ++j) acc[i][j] = load(o + (row0 + i) * D + (dv0 + j) * kW) * corr[row0 + i];
+  for (int64_t key = 0; key < keys; ++key) {
+    vf vv[DV];
+    for (int j = 0; j < DV; ++j) vv[j] = load(v + key * D + (dv0 + j) * kW);
+    for (int i = 0; i < RT; ++i) {
+      const vf p = splat(s[key * R + row0 + i]);
+      for (int j = 0; j < DV; ++j) acc[i][j] += p * vv[j];
+    }
+  }
+  for (int i = 0; i < RT; ++i)
+    for (int j = 0; j < DV; ++j) store(o + (row0 + i) * D + (dv0 + j) * kW, acc[i][j]);
+}
+
+template <int RT>
+inline void pv_rows(const float* s, const float* v, int64_t keys, int64_t R, int64_t D,
+                    const float* corr, float* o, int64_t row0) {
+  const int64_t DVs = D / kW;
+  int64_t dv = 0;
+  for (; dv + kDimVecTile <= DVs; dv += kDimVecTile) pv_tile<RT, kDimVecTile>(s, v, keys, R, D, corr, o, row0, dv);
+  switch (DVs - dv) {
+    case 3: pv_tile<RT, 3>(s, v, keys, R, D, corr, o, row0, dv); break;
+    case 2: pv_tile<RT, 2>(s, v, keys, R, D, corr, o, row0, dv); break;
+    case 1: pv_tile<RT, 1>(s, v, keys, R, D, corr, o, row0, dv); break;
+    default: break;
+  }
+}
+
+template <typename cache_t>
+void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequence's query 0*/,
+              int64_t q_first, const cache_t* k_cache, const cache_t* v_cache,
+              const int64_t* block_table, int64_t block_size, int64_t num_kv_heads, int64_t group,
+              int64_t D, int64_t QB, int64_t R, float scale, int64_t window, float* out,
+              Scratch& w) {
+  const int64_t num_heads = num_kv_heads * group;
+  const int64_t nq = it.q_end - it.q_begin;
+  // Rows: row = g * QB + i (query head h * group + g, query q_begin + i); the padding rows
+  // (i >= nq, row >= group * QB) repeat the block's last query and are not written out.
+  std::fill(w.qt.begin(), w.qt.end(), 0.f);
+  int32_t pos_max = 0, lo_min = std::numeric_limits<int32_t>::max();
+  for (int64_t row = 0; row < R; ++row) {
+    const int64_t g = std::min(row / QB, group - 1);
+    const int64_t i = std::min(row % QB, nq - 1);
+    const int64_t pos = q_first + it.q_begin + i;
+    w.qpos[row] = static_cast<int32_t>(pos);
+    w.lo[row] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
+    pos_max = std::max(pos_max, w.qpos[row]);
+    lo_min = std::min(lo_min, w.lo[row]);
+    if (row / QB >= group || row % QB >= nq) continue;
+    const float* qr = q + ((q_row0 + it.q_begin + i) * num_heads + it.kv_head * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) w.qt[d * R + row] = qr[d] * scale;
+  }
+  std::fill(w.o.begin(), w.o.end(), 0.f);
+  std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::max());
+  std::fill(w.l.begin(), w.l.end(), 0.f);
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t RVs = R / kW;
+  float* corr_row = w.corr.data();  // per row: exp(m_old - m_new) of the current chunk
+  for (int64_t c0 = lo_min; c0 <= pos_max; c0 += kChunk) {
+    const int64_t keys = std::min<int64_t>(kChunk, pos_max + 1 - c0);
+    const int64_t padded = (keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+    for (int64_t t = 0; t < padded; ++t) {
+      float* kd = w.k.data() + t * D;
+      float* vd = w.v.data() + t * D;
+      if (t >= keys) {
+        std::fill(kd, kd + D, 0.f);
+        std::fill(vd, vd + D, 0.f);
+        continue;
+      }
+      const int64_t key = c0 + t;
+      const int64_t off = (block_table[key / block_size] * block_size + key % block_size) * token_stride +
+                          it.kv_head * D;
+      to_float(k_cache + off, kd, D);
+      to_float(v_cache + off, vd, D);
+    }
+    for (int64_t key0 = 0; key0 < padded; key0 += kKeyTile) {
+      int64_t rv = 0;
+      for (; rv + kRowVecTile <= RVs; rv += kRowVecTile) qk_tile<kRowVecTile>(w.k.data(), key0, w.qt.data(), R, D, w.s.data(), rv);
+      for (; rv < RVs; ++rv) qk_tile<1>(w.k.data(), key0, w.qt.data(), R, D, w.s.data(), rv);
+    }
+    // Mask, chunk maximum, online-softmax update, probabilities in place of the scores.
+    for (int64_t rv = 0; rv < RVs; ++rv) {
+      vi qp, lo;
+      std::memcpy(&qp, w.qpos.data() + rv * kW, sizeof(vi));
+      std::memcpy(&lo, w.lo.data() + rv * kW, sizeof(vi));
+      const vf m_old = load(w.m.data() + rv * kW);
+      vf mx = m_old;
+      for (int64_t t = 0; t < keys; ++t) {
+        const vi kp = vi{} + static_cast<int32_t>(c0 + t);
+        const vi visible = (kp <= qp) & (kp >= lo);
+        const vf sv = load(w.s.data() + t * R + rv * kW);
+        mx = visible && sv > mx ? sv : mx;
+      }
+      const vf c = exp_vec(m_old - mx);
+      vf sum = load(w.l.data() + rv * kW) * c;
+      for (int64_t t = 0; t < padded; ++t) {
+        const vi kp = vi{} + static_cast<int32_t>(c0 + t);
+        const vi visible = (kp <= qp) & (kp >= lo) & (vi{} + (t < keys ? -1 : 0));
+        float* sp = w.s.data() + t * R + rv * kW;
+        const vf p = visible ? exp_vec(load(sp) - mx) : vf{};
+        store(sp, p);
+        sum += p;
+      }
+      store(w.m.data() + rv * kW, mx);
+      store(w.l.data() + rv * kW, sum);
+      store(corr_row + rv * kW, c);
+    }
+    int64_t row = 0;
+    for (; row + kRowTile <= R; row += kRowTile) pv_rows<kRowTile>(w.s.data(), w.v.data(), padded, R, D, corr_row, w.o.data(), row);
+    for (; row < R; ++row) pv_rows<1>(w.s.data(), w.v.data(), padded, R, D, corr_row, w.o.data(), row);
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < nq; ++i) {
+      const int64_t row = g * QB + i;
+      const float inv = 1.f / w.l[row];
+      float* dst = out + ((q_row0 + it.q_begin + i) * num_heads + it.kv_head * group + g) * D;
+      const float* src = w.o.data() + row * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = src[d] * inv;
+    }
+  }
+}
+
+template <typename cache_t>
+void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                 const torch::Tensor& block_tables, const std::vector<int64_t>& query_start,
+                 const std::vector<int64_t>& seq_lens, double scale, int64_t window,
+                 torch::Tensor& out) {
+  const int64_t num_heads = q.size(1), D = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  // Rows per item: a multiple of the vector width and of the PV row tile near kRowsPerItem.
+  const int64_t unit = std::lcm<int64_t>(kW, kRowTile);
+  const int64_t R = std::max<int64_t>(1, (std::max<int64_t>(kRowsPerItem, group) + unit - 1) / unit) * unit;
+  const int64_t QB = std::max<int64_t>(1, R / group);
+  const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
+  std::vector<Item> items;
+  for (int64_t r = 0; r < num_seqs; ++r) {
+    const int64_t q_len = query_start[r + 1] - query_start[r];
+    const int64_t q_first = seq_lens[r] - q_len;
+    for (int64_t b = 0; b < q_len; b += QB) {
+      const int64_t e = std::min(q_len, b + QB);
+      const int64_t last = q_first + e - 1;
+      const int64_t first_key = window > 0 ? std::max<int64_t>(0, q_first + b - window + 1) : 0;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({r, h, b, e, (last + 1 - first_key) * (e - b)});
+    }
+  }
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const float* q_p = q.data_ptr<float>();
+  const cache_t* k_p = k_cache.data_ptr<cache_t>();
+  const cache_t* v_p = v_cache.data_ptr<cache_t>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  float* out_p = out.data_ptr<float>();
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch w;
+    w.qt.resize(D * R);
+    w.k.resize(kChunk * D);
+    w.v.resize(kChunk * D);
+    w.s.resize(kChunk * R);
+    w.o.resize(R * D);
+    w.m.resize(R);
+    w.l.resize(R);
+    w.corr.resize(R);
+    w.qpos.resize(R);
+    w.lo.resize(R);
+    for (int64_t n; (n = next.fetch_add(1)) < n_items;) {
+      const Item& it = items[n];
+      const int64_t q_len = query_start[it.seq + 1] - query_start[it.seq];
+      run_item(it, q_p, query_start[it.seq], seq_lens[it.seq] - q_len, k_p, v_p, bt + it.seq * max_blocks,
+               block_size, num_kv_heads, group, D, QB, R, static_cast<float>(scale), window, out_p, w);
+    }
+  });
+}
+
+}  // namespace
+
+// q [num_tokens, num_heads, head_dim] float32 contiguous (the prefill rows of the step,
+// sequence after sequence); caches as in the header; block_tables [num_seqs, max_blocks]
+// int64; query_start [num_seqs + 1] offsets into q's rows; seq_lens [num_seqs] each
+// sequence's context length including its new tokens; window <= 0 for none.
+// Returns [num_tokens, num_heads, head_dim] float32.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, std::vector<int64_t> query_start,
+                            std::vector<int64_t> seq_lens, double scale, int64_t window) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_prefill runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
+              "q must be a contiguous float32 [num_tokens, num_heads, head_dim] tensor");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] "
+              "tensors of one dtype");
+  const int64_t num_heads = q.size(1), D = q.size(2), num_kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == D, "head_dim of q (", D, ") and the cache (", k_cache.size(3), ") differ");
+  TORCH_CHECK(num_heads % num_kv_heads == 0, "num_heads=", num_heads, " is not a multiple of num_kv_heads=",
+              num_kv_heads);
+  TORCH_CHECK(D % kW == 0, "head_dim=", D, " is not a multiple of ", kW);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == torch::kLong &&
+                  block_tables.is_contiguous() && block_tables.size(0) == static_cast<int64_t>(seq_lens.size()),
+              "block_tables must be contiguous int64 [num_seqs, max_blocks]");
+  TORCH_CHECK(query_start.size() == seq_lens.size() + 1 && query_start.front() == 0 &&
+                  query_start.back() == q.size(0),
+              "query_start must hold num_seqs + 1 offsets from 0 to num_tokens");
+  const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
+  for (size_t r = 0; r < seq_lens.size(); ++r) {
+    const int64_t q_len = query_start[r + 1] - query_start[r];
+    TORCH_CHECK(q_len >= 0 && seq_lens[r] >= q_len && seq_lens[r] <= max_blocks * block_size,
+                "sequence ", r, ": ", q_len, " queries and context length ", seq_lens[r],
+                " do not fit its block table of ", max_blocks, " blocks");
+  }
+  torch::Tensor out = torch::empty_like(q);
+  if (q.size(0) == 0) return out;
+  if (k_cache.scalar_type() == torch::kFloat) {
+    run_prefill<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  } else if (k_cache.scalar_type() == torch::kHalf) {
+    run_prefill<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  } else if (k_cache.scalar_type() == torch::kBFloat16) {
+    run_prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  } else {
+    TORCH_CHECK(false, "cache dtype must be float32, float16 or bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_prefill", &paged_prefill,
+        "causal attention of every prefill of a step against its paged context, CPU");
+  m.attr("lanes") = kW;  // head_dim must be a multiple of this
+}
