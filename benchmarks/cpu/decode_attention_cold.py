@@ -27,6 +27,7 @@ SOURCES = ["pagedlm/csrc/paged_attention_cpu.cpp", "pagedlm/csrc/cpu_vec.h"]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--contiguous", action="store_true", help="consecutive blocks per sequence")
+    p.add_argument("--block-size", type=int, default=BLOCK, help="tokens per cache block (the same tokens in all)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--baseline-rev", help="also time the kernel of this git revision, interleaved")
     p.add_argument("--steps", type=int, default=9, help="timed steps per kernel (median reported)")
@@ -43,7 +44,9 @@ def main() -> None:
 
 def run(kernels: dict, args: argparse.Namespace) -> None:
     g = torch.Generator().manual_seed(0)
-    shape = (NUM_BLOCKS, BLOCK, KV_HEADS, HEAD_DIM)
+    block = args.block_size
+    num_blocks = NUM_BLOCKS * BLOCK // block
+    shape = (num_blocks, block, KV_HEADS, HEAD_DIM)
     caches = [(torch.randn(shape, generator=g).half(), torch.randn(shape, generator=g).half())
               for _ in range(LAYERS)]
     # (sequences, their context lengths): equal lengths, and a spread as a real batch has,
@@ -51,11 +54,11 @@ def run(kernels: dict, args: argparse.Namespace) -> None:
     cases = [(48, [370] * 48), (4, [900] * 4), (48, torch.linspace(900, 40, 48).int().tolist())]
     for seqs, lens in cases:
         ctx = max(lens)
-        per = ctx // BLOCK + 1
+        per = ctx // block + 1
         if args.contiguous:
             tables = torch.arange(1, seqs * per + 1).view(seqs, per)
         else:
-            tables = (torch.randperm(NUM_BLOCKS - 1, generator=g)[: seqs * per] + 1).view(seqs, per)
+            tables = (torch.randperm(num_blocks - 1, generator=g)[: seqs * per] + 1).view(seqs, per)
         # The kernel's own input: float32 queries already multiplied by the softmax scale.
         q = torch.randn(seqs, HEADS, HEAD_DIM, generator=g) * HEAD_DIM**-0.5
         times: dict[str, list[float]] = {name: [] for name in kernels}
