@@ -15,20 +15,36 @@ namespace pagedlm_vec {
 // polynomial (the classic Cephes exp2f coefficients, relative error ~2e-7); 2^n written
 // straight into the exponent bits. Clamped to [-87, 88], which keeps 2^n a normal float:
 // below, the result is a tiny normal value instead of 0; above, a huge finite one.
+// The polynomial's coefficients, highest degree first: every exp below evaluates them in
+// this order, so all give the same bits.
+constexpr float kExp2Poly[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f,
+                                1.0f};
+
 inline float exp_approx(float x) {
   x = std::min(std::max(x, -87.0f), 88.0f);
   const float t = x * 1.44269504088896341f;  // x * log2(e)
   const float n = (t + 12582912.0f) - 12582912.0f;  // round to nearest (1.5 * 2^23 trick)
   const float r = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * r + 1.339887440266574e-3f;
-  p = p * r + 9.618437357674640e-3f;
-  p = p * r + 5.550332471162809e-2f;
-  p = p * r + 2.402264791363012e-1f;
-  p = p * r + 6.931472028550421e-1f;
-  p = p * r + 1.0f;
+  float p = kExp2Poly[0];
+  for (int k = 1; k < 7; ++k) p = p * r + kExp2Poly[k];
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   return p * __builtin_bit_cast(float, bits);
+}
+
+// exp_approx on every lane of a GCC vector type V of floats (VI: its int32 twin), the same
+// steps, for kernels written with vector extensions instead of intrinsics.
+template <typename V, typename VI>
+inline V exp_approx_lanes(V x) {
+  x = x < -87.0f ? V{} - 87.0f : x;
+  x = x > 88.0f ? V{} + 88.0f : x;
+  const V t = x * 1.44269504088896341f;
+  const V n = (t + 12582912.0f) - 12582912.0f;
+  const V r = t - n;
+  V p = V{} + kExp2Poly[0];
+  for (int k = 1; k < 7; ++k) p = p * r + kExp2Poly[k];
+  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
+  return p * reinterpret_cast<const V&>(bits);
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -38,13 +54,8 @@ inline __m256 exp_approx8(__m256 x) {
   const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
   const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_sub_ps(t, n);
-  __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.339887440266574e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(9.618437357674640e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.550332471162809e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(2.402264791363012e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(6.931472028550421e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  __m256 p = _mm256_set1_ps(kExp2Poly[0]);
+  for (int k = 1; k < 7; ++k) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExp2Poly[k]));
   const __m256i bits =
       _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));

@@ -121,78 +121,23 @@ inline void prefetch_token(const void* token, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// scores[g * n + i + t] = q_g . (toks[t] + off)[0 : head_dim] for t < count (<= 4), g < NG.
-template <int NG, typename cache_t>
-inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int64_t off,
-                    int count, int64_t head_dim, float* scores, int64_t n, int64_t i) {
-  const cache_t* r[4];
-  for (int t = 0; t < 4; ++t) r[t] = toks[std::min(t, count - 1)] + off;  // pad with the last
-  __m256 acc[NG][4];
-  for (int g = 0; g < NG; ++g)
-    for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    __m256 qv[NG];
-    for (int g = 0; g < NG; ++g) qv[g] = _mm256_loadu_ps(q + g * head_dim + d);
-    for (int t = 0; t < 4; ++t) {
-      const __m256 kv = load8(r[t] + d);
-      for (int g = 0; g < NG; ++g) acc[g][t] = _mm256_fmadd_ps(qv[g], kv, acc[g][t]);
-    }
-  }
-  for (int g = 0; g < NG; ++g) {
-    const __m128 s = hsum4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-    if (count == 4) {
-      _mm_storeu_ps(scores + g * n + i, s);
-    } else {
-      alignas(16) float out[4];
-      _mm_store_ps(out, s);
-      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
-    }
-  }
-}
-
-// acc[g, d0 : d0 + 8 * CB] = sum_i p[g * n + i] * (toks[i] + off)[d0 : d0 + 8 * CB], g < NG.
-// With `token_bytes` > 0 the loop also prefetches the tokens kPrefetchTokens ahead.
-template <int NG, int CB, typename cache_t>
-inline void pv_tile(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
-                    int64_t d0, float* acc /*[NG, D]*/, int64_t head_dim, int64_t token_bytes) {
-  __m256 a[NG][CB];
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CB; ++c) a[g][c] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < n; ++i) {
-    if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens], token_bytes);
-    __m256 pb[NG];
-    for (int g = 0; g < NG; ++g) pb[g] = _mm256_set1_ps(p[g * n + i]);
-    const cache_t* row = toks[i] + off + d0;
-    for (int c = 0; c < CB; ++c) {
-      const __m256 v = load8(row + 8 * c);
-      for (int g = 0; g < NG; ++g) a[g][c] = _mm256_fmadd_ps(pb[g], v, a[g][c]);
-    }
-  }
-  for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CB; ++c) _mm256_storeu_ps(acc + g * head_dim + d0 + 8 * c, a[g][c]);
-}
-
-template <int NG, typename cache_t>
-inline void pv_heads(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
-                     float* acc, int64_t head_dim, int64_t token_bytes) {
-  int64_t d0 = 0;
-  for (; d0 + 32 <= head_dim; d0 += 32, token_bytes = 0) {
-    pv_tile<NG, 4>(p, n, toks, off, d0, acc, head_dim, token_bytes);
-  }
-  switch ((head_dim - d0) / 8) {
-    case 3: pv_tile<NG, 3>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
-    case 2: pv_tile<NG, 2>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
-    case 1: pv_tile<NG, 1>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
-    default: break;
-  }
-}
-
+// The vector operations of the tiles below on 8 lanes (AVX2) or, where the compiler
+// targets AVX-512, 16: half the multiply-adds and conversions per value, and a 64-wide
+// head's V in one pass of 4 registers per head instead of two. Only the order of the
+// float32 sums differs between the two.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int kW = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static __m256 to8(V v) { return v; }  // for hsum4
+};
 #if defined(__AVX512F__)
 #define PAGEDLM_TILED512 1
-// The tiles above on 16 lanes, for head_dim % 16 == 0 where the compiler targets AVX-512:
-// half the multiply-adds and conversions per value, and a 64-wide head's V in one pass of
-// 4 registers per head instead of two passes of 4. Only the order of the float32 sums
-// differs from the 8-lane tiles.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -201,30 +146,42 @@ inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
-// The 16 lanes folded to 8 (lane j + lane j + 8).
-inline __m256 fold(__m512 v) {
-  return _mm256_add_ps(_mm512_castps512_ps256(v),
-                       _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-}
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int kW = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static __m256 to8(V v) {  // lane j + lane j + 8
+    return _mm256_add_ps(_mm512_castps512_ps256(v),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  }
+};
+#endif
 
-template <int NG, typename cache_t>
-inline void qk_tile512(const float* q, const cache_t* const* toks, int64_t off, int count,
-                       int64_t head_dim, float* scores, int64_t n, int64_t i) {
+// scores[g * n + i + t] = q_g . (toks[t] + off)[0 : head_dim] for t < count (<= 4), g < NG.
+template <int NG, typename L, typename cache_t>
+inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int64_t off,
+                    int count, int64_t head_dim, float* scores, int64_t n, int64_t i) {
+  using V = typename L::V;
   const cache_t* r[4];
-  for (int t = 0; t < 4; ++t) r[t] = toks[std::min(t, count - 1)] + off;
-  __m512 acc[NG][4];
+  for (int t = 0; t < 4; ++t) r[t] = toks[std::min(t, count - 1)] + off;  // pad with the last
+  V acc[NG][4];
   for (int g = 0; g < NG; ++g)
-    for (int t = 0; t < 4; ++t) acc[g][t] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 16) {
-    __m512 qv[NG];
-    for (int g = 0; g < NG; ++g) qv[g] = _mm512_loadu_ps(q + g * head_dim + d);
+    for (int t = 0; t < 4; ++t) acc[g][t] = L::zero();
+  for (int64_t d = 0; d < head_dim; d += L::kW) {
+    V qv[NG];
+    for (int g = 0; g < NG; ++g) qv[g] = L::load(q + g * head_dim + d);
     for (int t = 0; t < 4; ++t) {
-      const __m512 kv = load16(r[t] + d);
-      for (int g = 0; g < NG; ++g) acc[g][t] = _mm512_fmadd_ps(qv[g], kv, acc[g][t]);
+      const V kv = L::load(r[t] + d);
+      for (int g = 0; g < NG; ++g) acc[g][t] = L::fmadd(qv[g], kv, acc[g][t]);
     }
   }
   for (int g = 0; g < NG; ++g) {
-    const __m128 s = hsum4(fold(acc[g][0]), fold(acc[g][1]), fold(acc[g][2]), fold(acc[g][3]));
+    const __m128 s = hsum4(L::to8(acc[g][0]), L::to8(acc[g][1]), L::to8(acc[g][2]), L::to8(acc[g][3]));
     if (count == 4) {
       _mm_storeu_ps(scores + g * n + i, s);
     } else {
@@ -235,58 +192,60 @@ inline void qk_tile512(const float* q, const cache_t* const* toks, int64_t off, 
   }
 }
 
-template <int NG, int CB, typename cache_t>
-inline void pv_tile512(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
-                       int64_t d0, float* acc, int64_t head_dim, int64_t token_bytes) {
-  __m512 a[NG][CB];
+// acc[g, d0 : d0 + W * CB] = sum_i p[g * n + i] * (toks[i] + off)[d0 : d0 + W * CB], g < NG.
+// With `token_bytes` > 0 the loop also prefetches the tokens kPrefetchTokens ahead.
+template <int NG, int CB, typename L, typename cache_t>
+inline void pv_tile(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                    int64_t d0, float* acc /*[NG, D]*/, int64_t head_dim, int64_t token_bytes) {
+  using V = typename L::V;
+  V a[NG][CB];
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CB; ++c) a[g][c] = _mm512_setzero_ps();
+    for (int c = 0; c < CB; ++c) a[g][c] = L::zero();
   for (int64_t i = 0; i < n; ++i) {
     if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens], token_bytes);
-    __m512 pb[NG];
-    for (int g = 0; g < NG; ++g) pb[g] = _mm512_set1_ps(p[g * n + i]);
+    V pb[NG];
+    for (int g = 0; g < NG; ++g) pb[g] = L::set1(p[g * n + i]);
     const cache_t* row = toks[i] + off + d0;
     for (int c = 0; c < CB; ++c) {
-      const __m512 v = load16(row + 16 * c);
-      for (int g = 0; g < NG; ++g) a[g][c] = _mm512_fmadd_ps(pb[g], v, a[g][c]);
+      const V v = L::load(row + L::kW * c);
+      for (int g = 0; g < NG; ++g) a[g][c] = L::fmadd(pb[g], v, a[g][c]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int c = 0; c < CB; ++c) _mm512_storeu_ps(acc + g * head_dim + d0 + 16 * c, a[g][c]);
+    for (int c = 0; c < CB; ++c) L::store(acc + g * head_dim + d0 + L::kW * c, a[g][c]);
 }
 
-template <int NG, typename cache_t>
-inline void pv_heads512(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
-                        float* acc, int64_t head_dim, int64_t token_bytes) {
+template <int NG, typename L, typename cache_t>
+inline void pv_heads(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
+                     float* acc, int64_t head_dim, int64_t token_bytes) {
   int64_t d0 = 0;
-  for (; d0 + 64 <= head_dim; d0 += 64, token_bytes = 0) {
-    pv_tile512<NG, 4>(p, n, toks, off, d0, acc, head_dim, token_bytes);
+  for (; d0 + 4 * L::kW <= head_dim; d0 += 4 * L::kW, token_bytes = 0) {
+    pv_tile<NG, 4, L>(p, n, toks, off, d0, acc, head_dim, token_bytes);
   }
-  switch ((head_dim - d0) / 16) {
-    case 3: pv_tile512<NG, 3>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
-    case 2: pv_tile512<NG, 2>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
-    case 1: pv_tile512<NG, 1>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+  switch ((head_dim - d0) / L::kW) {
+    case 3: pv_tile<NG, 3, L>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 2: pv_tile<NG, 2, L>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
+    case 1: pv_tile<NG, 1, L>(p, n, toks, off, d0, acc, head_dim, token_bytes); break;
     default: break;
   }
 }
-#endif
 
 // The 16-lane tiles where they apply, else the 8-lane ones.
 template <int NG, typename cache_t>
 inline void qk_tile_any(const float* q, const cache_t* const* toks, int64_t off, int count,
                         int64_t head_dim, float* scores, int64_t n, int64_t i) {
 #if defined(PAGEDLM_TILED512)
-  if (head_dim % 16 == 0) return qk_tile512<NG>(q, toks, off, count, head_dim, scores, n, i);
+  if (head_dim % 16 == 0) return qk_tile<NG, Lanes16>(q, toks, off, count, head_dim, scores, n, i);
 #endif
-  qk_tile<NG>(q, toks, off, count, head_dim, scores, n, i);
+  qk_tile<NG, Lanes8>(q, toks, off, count, head_dim, scores, n, i);
 }
 template <int NG, typename cache_t>
 inline void pv_heads_any(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
                          float* acc, int64_t head_dim, int64_t token_bytes) {
 #if defined(PAGEDLM_TILED512)
-  if (head_dim % 16 == 0) return pv_heads512<NG>(p, n, toks, off, acc, head_dim, token_bytes);
+  if (head_dim % 16 == 0) return pv_heads<NG, Lanes16>(p, n, toks, off, acc, head_dim, token_bytes);
 #endif
-  pv_heads<NG>(p, n, toks, off, acc, head_dim, token_bytes);
+  pv_heads<NG, Lanes8>(p, n, toks, off, acc, head_dim, token_bytes);
 }
 
 // scores[h, i] = q_h . k_i for every query head h (scores [H, n], q [H, D]): token tiles

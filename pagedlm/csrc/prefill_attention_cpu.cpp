@@ -69,23 +69,7 @@ inline vf splat(float x) { return _mm256_set1_ps(x); }
 inline vf splat(float x) { return vf{} + x; }
 #endif
 
-// exp on every lane, the steps of pagedlm_vec::exp_approx.
-inline vf exp_vec(vf x) {
-  x = x < splat(-87.0f) ? splat(-87.0f) : x;
-  x = x > splat(88.0f) ? splat(88.0f) : x;
-  const vf t = x * 1.44269504088896341f;
-  const vf n = (t + 12582912.0f) - 12582912.0f;
-  const vf r = t - n;
-  vf p = splat(1.535336188319500e-4f);
-  p = p * r + 1.339887440266574e-3f;
-  p = p * r + 9.618437357674640e-3f;
-  p = p * r + 5.550332471162809e-2f;
-  p = p * r + 2.402264791363012e-1f;
-  p = p * r + 6.931472028550421e-1f;
-  p = p * r + 1.0f;
-  const vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  return p * reinterpret_cast<const vf&>(bits);
-}
+inline vf exp_vec(vf x) { return pagedlm_vec::exp_approx_lanes<vf, vi>(x); }
 
 // n values of one cache row as float32.
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
