@@ -7,7 +7,11 @@ and key chunks; and bad inputs."""
 import pytest
 import torch
 
+from pagedlm.attention.alibi import alibi_slopes
 from pagedlm.attention.cpu_kernels import load_prefill_kernels, paged_prefill_attention
+from pagedlm.attention.cpu_paged import CpuPagedAttention
+from pagedlm.attention.reference import ReferenceAttention
+from pagedlm.attention.testing import make_attention_case
 
 pytestmark = pytest.mark.skipif(load_prefill_kernels() is None, reason="the kernel could not be built")
 
@@ -102,6 +106,31 @@ def test_thread_counts_give_identical_results():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1]) and torch.equal(results[0], results[2])
+
+
+# (num_computed, num_new): decodes first, then fresh prompts and chunks after a cached prefix.
+MIXED = [(0, 1), (20, 1), (47, 1), (0, 37), (16, 16), (33, 70), (5, 1 + 128), (0, 3)]
+
+
+@pytest.mark.parametrize("options", [{}, {"sliding_window": 21}, {"alibi": True},
+                                     {"logits_soft_cap": 2.0}], ids=str)
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+def test_backend_mixed_step_matches_reference(options, cache_dtype):
+    """The CPU backend's forward on a step of decodes and prefills: the prefill rows go to
+    the kernel (sliced after the decodes) or, with ALiBi / soft-capping, to torch; either
+    way they match the reference backend."""
+    case = make_attention_case(MIXED, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16,
+                               cache_dtype=cache_dtype, seed=3, sliding_window=options.get("sliding_window"))
+    extra = {k: v for k, v in options.items() if k != "alibi"}
+    if options.get("alibi"):
+        extra["alibi_slopes"] = alibi_slopes(9)
+    args = (case.query, case.key, case.value)
+    k_ref, v_ref = case.clone_caches()
+    k_cpu, v_cpu = case.clone_caches()
+    ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale, **extra)
+    out = CpuPagedAttention().forward(*args, k_cpu, v_cpu, case.meta, case.scale, **extra)
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
 
 
 def test_bad_inputs_raise_clear_errors():
