@@ -491,8 +491,8 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   // a widened copy: 1.5 operations per group and row tile against a store and reload of
   // every panel per call, which dominates when a panel meets few rows. Measured per layer
   // shape, 2 threads: 1.5-2x at 1-2 rows, 1.1-1.3x at 4-16, even at 32.
-  // The 512-bit tiles unpack for 8 rows at a time: there, packed measured 1.03-1.15x over
-  // widened at every row count from 64 to 2048.
+  // The 512-bit tiles unpack for 8 rows at a time: there, packed was never slower than
+  // widened (`benchmarks/cpu/q8_gemm_revs.py --baseline-rev e73e1f0`: 1.00-1.05x, 1-2048 rows).
 #ifdef PAGEDLM_Q8_VNNI512
   const bool in_registers = kQ4;
 #else
