@@ -86,7 +86,7 @@ def test_parallel_samples_share_the_prompt_and_match_independent_runs(tiny_llama
             assert stats.num_blocks_shared == len(prompt) // 4  # the full prompt blocks
             assert stats.num_tokens_held < stats.num_tokens_held_unshared
     engine.scheduler.schedule = first
-    assert seen[0].num_scheduled_tokens == len(prompt)  # the prompt computed once
+    assert seen[0].total_num_scheduled_tokens == len(prompt)  # the prompt computed once
     assert engine.get_stats().num_block_copies == 3  # the partial block, per extra writer
     final = [o for o in outputs if o.finished][0]
     shared = [c.token_ids for c in final.outputs]
@@ -145,6 +145,7 @@ def test_beam_search_equals_hf(tiny_llama_dir, width, eos, lp):
                               ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
         eos = greedy[3]
     llm.llm_engine.eos_token_ids = () if eos is None else (eos,)
+    llm.llm_engine.beam_search.eos_token_ids = llm.llm_engine.eos_token_ids
     params = BeamSearchParams(beam_width=width, max_tokens=10, ignore_eos=eos is None, length_penalty=lp)
     ours = llm.beam_search({"prompt_token_ids": prompt}, params)[0].sequences
     ref = _hf_beams(hf, prompt, width, 10, lp, eos)

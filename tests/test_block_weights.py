@@ -229,7 +229,7 @@ def _block_layers(model):
 def test_greedy_same_tokens_with_and_without_kernel(llm):
     from pagedlm import SamplingParams
 
-    model = llm.llm_engine.model
+    model = llm.llm_engine.model_executor.driver_worker.model
     layers = _block_layers(model)
     assert len(layers) == 4 * 30 + 1  # qkv, o, gate_up, down per layer + the (tied) LM head
     assert {m.matmul.ggml_type for m in layers} == {Q4_1, Q8_0}

@@ -124,12 +124,12 @@ def _assert_close(ref, got, atol):
 def test_padded_decode_matches_unpadded_on_cpu(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, "cpu", "float32")
     engine = llm.llm_engine
-    assert not engine.cuda_graphs and engine.runner.decode_graphs is None
+    assert not engine.model_executor.driver_worker.cuda_graphs and engine.model_executor.driver_worker.model_runner.decode_graphs is None
     ref_tokens, ref_lps = _generate(llm)
     engine.reset_prefix_cache()
-    engine.runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
+    engine.model_executor.driver_worker.model_runner.enable_decode_graphs(8, engine.max_model_len, capture=False)
     tokens, lps = _generate(llm)
-    graphs = engine.runner.decode_graphs
+    graphs = engine.model_executor.driver_worker.model_runner.decode_graphs
     assert graphs.num_steps >= max(MAX_TOKENS) - 1 and graphs.num_padding_rows > 0
     assert tokens == ref_tokens
     _assert_close(ref_lps, lps, atol=1e-4)
@@ -139,14 +139,14 @@ def test_padded_decode_matches_unpadded_on_cpu(tiny_llama_dir):
 @pytest.mark.parametrize("dtype,atol", [("float32", 1e-3), ("bfloat16", 0.1)])
 def test_cuda_graph_replay_matches_eager(tiny_llama_dir, dtype, atol):
     eager = _llm(tiny_llama_dir, "cuda", dtype, enforce_eager=True)
-    assert not eager.llm_engine.cuda_graphs
+    assert not eager.llm_engine.model_executor.driver_worker.cuda_graphs
     ref_tokens, ref_lps = _generate(eager)
     del eager
     graphed = _llm(tiny_llama_dir, "cuda", dtype)
     engine = graphed.llm_engine
-    assert engine.cuda_graphs and sorted(engine.runner.decode_graphs.graphs) == [1, 2, 4, 8]
+    assert engine.model_executor.driver_worker.cuda_graphs and sorted(engine.model_executor.driver_worker.model_runner.decode_graphs.graphs) == [1, 2, 4, 8]
     tokens, lps = _generate(graphed)
-    assert engine.runner.decode_graphs.num_steps >= max(MAX_TOKENS) - 1
+    assert engine.model_executor.driver_worker.model_runner.decode_graphs.num_steps >= max(MAX_TOKENS) - 1
     if dtype == "float32":
         assert tokens == ref_tokens
     else:  # a bf16 near-tie may flip: compare the first steps only
@@ -158,4 +158,4 @@ def test_cuda_graph_replay_matches_eager(tiny_llama_dir, dtype, atol):
 def test_torch_backend_and_enforce_eager_stay_eager(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, device="cuda", block_size=4,
               kv_cache_memory=1 << 22, max_model_len=128, max_num_seqs=8)
-    assert not llm.llm_engine.cuda_graphs and llm.llm_engine.runner.decode_graphs is None
+    assert not llm.llm_engine.model_executor.driver_worker.cuda_graphs and llm.llm_engine.model_executor.driver_worker.model_runner.decode_graphs is None

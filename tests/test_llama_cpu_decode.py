@@ -19,7 +19,7 @@ PROMPTS = [
 
 
 def _generate(llm, fused: bool):
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     runner._forward = runner._forward_cpu_decoder if fused else runner._forward_eager
     calls = []
     decoder = runner.cpu_decoder
@@ -43,7 +43,7 @@ def _generate(llm, fused: bool):
 
 
 def _check_same_as_layers(llm):
-    assert llm.llm_engine.runner.cpu_decoder is not None
+    assert llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder is not None
     fused, steps = _generate(llm, fused=True)
     assert steps >= 10
     eager, none = _generate(llm, fused=False)
@@ -68,7 +68,7 @@ def test_decoder_with_float16_weights(tiny_llama_dir):
     """float16 panels are covered; fbgemm's float16 GEMM (where torch has it) is not."""
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="float16", num_threads=2,
               enable_prefix_caching=False)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     if runner.cpu_decoder is None:
         assert "Fp16WeightMatmul" in runner.enable_cpu_decoder()
     else:
@@ -80,9 +80,9 @@ def test_decoder_on_the_embedded_gguf_model():
     """SmolLM2's float32 weights are exact Q4_1 / Q8_0 blocks: up to 8 rows take the block
     kernel, more the float32 panels; 10 prompts cross that line as they finish."""
     llm = LLM(smollm2_path(), skip_tokenizer_init=True, num_threads=2, enable_prefix_caching=False)
-    qkv = llm.llm_engine.model.model.layers[0].self_attn.qkv_proj.matmul
+    qkv = llm.llm_engine.model_executor.driver_worker.model.model.layers[0].self_attn.qkv_proj.matmul
     assert type(qkv).__name__ == "BlockWeightMatmul" and qkv.max_rows < 10
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None
     prompts = [{"prompt_token_ids": [1, 2 + i, 300 + 7 * i, 45]} for i in range(10)]
     params = [SamplingParams(max_tokens=3 + i, temperature=0, logprobs=2, ignore_eos=True)
@@ -103,7 +103,7 @@ def test_decoder_reuses_and_grows_its_buffers(tiny_llama_dir):
     not overwritten by the next step."""
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=2,
               enable_prefix_caching=False)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     small = [{"prompt_token_ids": [5 + i, 9, 40 + i]} for i in range(2)]
     large = [{"prompt_token_ids": [1 + i, 30 + 2 * i, 7, 64 + i]} for i in range(7)]
     kept = []
@@ -155,24 +155,24 @@ def test_decoder_with_a_sliding_window_and_mixed_steps(tmp_path):
 
 
 def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
-    runner = LLM(tiny_llama_dir, skip_tokenizer_init=True, num_threads=1).llm_engine.runner
+    runner = LLM(tiny_llama_dir, skip_tokenizer_init=True, num_threads=1).llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None
     mlp = runner.model.model.layers[1].mlp
     mlp.down_proj.matmul = lambda x, bias: x @ torch.zeros(64, 128).T  # a matmul it cannot know
     assert "layer 1: down_proj multiplies with function" in runner.enable_cpu_decoder()
     assert runner.cpu_decoder is None and runner._forward == runner._forward_eager
     eager = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", enforce_eager=True,
-                num_threads=1).llm_engine.runner
+                num_threads=1).llm_engine.model_executor.driver_worker.model_runner
     assert eager.cpu_decoder is None and eager._forward == eager._forward_eager
     torch_backend = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8",
-                        attention_backend="torch", num_threads=1).llm_engine.runner
+                        attention_backend="torch", num_threads=1).llm_engine.model_executor.driver_worker.model_runner
     assert torch_backend.cpu_decoder is None
     assert "not the CPU kernels" in torch_backend.enable_cpu_decoder()
 
 
 def test_bad_slots_are_refused(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
-    decoder = llm.llm_engine.runner.cpu_decoder.decoder
+    decoder = llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder.decoder
     x = torch.zeros(1, 64)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
         decoder.forward(x, torch.tensor([0]), torch.tensor([10**9]), torch.zeros(1, 4, dtype=torch.long), [1])
@@ -182,7 +182,7 @@ def test_bad_slots_are_refused(tiny_llama_dir):
 
 def test_profile_times_each_part_of_the_decode_steps(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
-    decoder = llm.llm_engine.runner.cpu_decoder.decoder
+    decoder = llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder.decoder
     decoder.set_profile(True)
     assert all(t == 0.0 for _, t in decoder.profile())
     llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)

@@ -224,7 +224,7 @@ def test_q8_engine_computes_what_the_reference_matmuls_compute(tiny_llama_dir):
     from pagedlm import LLM, SamplingParams
 
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=2)
-    model = llm.llm_engine.model
+    model = llm.llm_engine.model_executor.driver_worker.model
     layers = [m for m in model.modules() if isinstance(m.__dict__.get("matmul"), Q8WeightMatmul)]
     assert len(layers) == 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down + LM head
     prompts = [{"prompt_token_ids": [1, 5, 9, 200, 33, 7, 99, 4, 18]},
@@ -243,7 +243,7 @@ def test_q8_engine_computes_what_the_reference_matmuls_compute(tiny_llama_dir):
 
     for m in layers:
         m.matmul = reference(m.matmul)
-    runner = llm.llm_engine.runner
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None  # it holds the packed weights: the reference runs the layers
     runner._forward = runner._forward_eager
     ref_outs = llm.generate(prompts, params, use_tqdm=False)

@@ -21,7 +21,7 @@ def test_narrow_cache_same_tokens_on_every_backend(tiny_llama_dir, kv_dtype):
     results = {}
     for backend in backends:
         llm, outs = _generate(tiny_llama_dir, kv_cache_dtype=kv_dtype, attention_backend=backend)
-        k_cache = llm.llm_engine.runner.kv_caches[0][0]
+        k_cache = llm.llm_engine.model_executor.driver_worker.model_runner.kv_caches[0][0]
         assert str(k_cache.dtype) == f"torch.{kv_dtype}"
         results[backend] = [o.outputs[0].token_ids for o in outs]
     # Every backend reads the same rounded cache, so greedy tokens agree exactly.
@@ -31,7 +31,7 @@ def test_narrow_cache_same_tokens_on_every_backend(tiny_llama_dir, kv_dtype):
 def test_float16_cache_close_to_float32_and_twice_the_blocks(tiny_llama_dir):
     llm32, outs32 = _generate(tiny_llama_dir)
     llm16, outs16 = _generate(tiny_llama_dir, kv_cache_dtype="half")
-    assert llm16.llm_engine.kv_cache_dtype != llm32.llm_engine.kv_cache_dtype
+    assert llm16.llm_engine.model_executor.driver_worker.kv_cache_dtype != llm32.llm_engine.model_executor.driver_worker.kv_cache_dtype
     # Same memory budget, half the bytes per block.
     assert llm16.stats().num_blocks_total >= 2 * llm32.stats().num_blocks_total - 2
     for a, b in zip(outs32, outs16):
@@ -59,7 +59,7 @@ def test_float16_weights_close_to_float32(tiny_llama_dir):
         pytest.skip("neither the panel kernel nor fbgemm")
     llm32, outs32 = _generate(tiny_llama_dir)
     llm16, outs16 = _generate(tiny_llama_dir, weight_dtype="float16")
-    model = llm16.llm_engine.model
+    model = llm16.llm_engine.model_executor.driver_worker.model
 
     def float16_matmul(m):
         mm = m.__dict__.get("matmul")

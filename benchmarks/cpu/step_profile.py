@@ -53,13 +53,13 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
     engine = llm.llm_engine
 
     steps: list[tuple[int, int, float]] = []  # (decode rows, prefill tokens, seconds)
-    execute, generate = engine.runner.execute_model, llm.generate
+    execute, generate = engine.model_executor.driver_worker.model_runner.execute_model, llm.generate
 
     def timed(sched):
         start = time.perf_counter()
         out = execute(sched)
-        decodes = sum(1 for s in sched.scheduled if s.num_new_tokens == 1)
-        prefill = sum(s.num_new_tokens for s in sched.scheduled if s.num_new_tokens != 1)
+        decodes = sum(1 for n in sched.num_scheduled_tokens.values() if n == 1)
+        prefill = sum(n for n in sched.num_scheduled_tokens.values() if n != 1)
         steps.append((decodes, prefill, time.perf_counter() - start))
         return out
 
@@ -67,8 +67,8 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
         steps.clear()
         return generate(*args, **kw)
 
-    engine.runner.execute_model, llm.generate = timed, generate_afresh
-    decoder = engine.runner.cpu_decoder  # the C++ decoder of pure-decode steps, if on
+    engine.model_executor.driver_worker.model_runner.execute_model, llm.generate = timed, generate_afresh
+    decoder = engine.model_executor.driver_worker.model_runner.cpu_decoder  # the C++ decoder of pure-decode steps, if on
     if decoder is not None:
         original_generate = llm.generate
 

@@ -45,8 +45,7 @@ def run_iteration(engine: Any, prompts: list[list[int]], output_len: int, tag: s
         if step is before:  # nothing was scheduled
             continue
         step_times.append(t1 - t0)
-        is_decode.append(all(s.num_computed_tokens >= s.request.num_prompt_tokens
-                             for s in step.scheduled.scheduled))
+        is_decode.append(step.scheduled.num_prompt_tokens == 0)
     return time.perf_counter() - start, step_times, is_decode
 
 

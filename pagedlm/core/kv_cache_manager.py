@@ -58,6 +58,9 @@ class KVCacheManager:
         self.null_block = self.block_pool.null_block
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.pending_copies: list[tuple[int, int]] = []  # (src block id, dst block id)
+        # Request id -> the first entry of its table changed since the workers last got it
+        # (`take_block_ids_delta`); absent: nothing changed.
+        self._changed_from: dict[str, int] = {}
         self.num_copies = 0
 
     @property
@@ -107,17 +110,20 @@ class KVCacheManager:
             return 0
         return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
 
-    def _free_out_of_window(self, blocks: list[KVCacheBlock], num_computed: int) -> None:
+    def _free_out_of_window(self, blocks: list[KVCacheBlock], num_computed: int) -> int:
         # Null entries form a prefix, so walking back from the last invisible block to the
         # first null one touches only the newly invisible blocks. Tail first, as in `free`.
+        # Returns the first entry that changed (len(blocks) or more: none).
         i = min(self._num_out_of_window(num_computed), len(blocks)) - 1
         freed = []
         while i >= 0 and blocks[i] is not self.null_block:
             freed.append(blocks[i])
             blocks[i] = self.null_block
             i -= 1
-        if freed:
-            self.block_pool.free_blocks(freed)
+        if not freed:
+            return len(blocks)
+        self.block_pool.free_blocks(freed)
+        return i + 1
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds a reference to (its table minus null entries)."""
@@ -192,8 +198,9 @@ class KVCacheManager:
         assert not new_computed_blocks or not blocks
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_invisible_hits = 0
+        changed_from = len(blocks)
         if self.sliding_window is not None:
-            self._free_out_of_window(blocks, num_computed)
+            changed_from = self._free_out_of_window(blocks, num_computed)
             num_invisible_hits = min(len(new_computed_blocks), self._num_out_of_window(num_computed))
         visible_hits = new_computed_blocks[num_invisible_hits:]
         num_needed = self.num_blocks_needed(num_computed + num_new_tokens)
@@ -202,6 +209,7 @@ class KVCacheManager:
         # Hits that sit free in the queue stop being available for new blocks.
         num_free_hits = sum(1 for b in visible_hits if b.ref_cnt == 0)
         if num_missing + cow > self.block_pool.num_free_blocks - num_free_hits:
+            self._mark_changed(request.request_id, changed_from, len(blocks))
             return False
         if new_computed_blocks:
             self.block_pool.touch(visible_hits)
@@ -209,10 +217,16 @@ class KVCacheManager:
             blocks.extend(visible_hits)
             request.num_cached_blocks = len(new_computed_blocks)
         if cow:
+            changed_from = min(changed_from, num_computed // self.block_size)
             self._copy_last_block(blocks, num_computed // self.block_size)
         if num_missing:
             blocks.extend(self.block_pool.get_new_blocks(num_missing))
+        self._mark_changed(request.request_id, changed_from, len(blocks))
         return True
+
+    def _mark_changed(self, request_id: str, first: int, num_entries: int) -> None:
+        if first < num_entries:
+            self._changed_from[request_id] = min(self._changed_from.get(request_id, first), first)
 
     def _needs_copy(self, blocks: list[KVCacheBlock], num_computed: int, num_new: int) -> bool:
         """Writing into a partly filled block that another table also holds."""
@@ -246,12 +260,25 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         request.num_cached_blocks = 0
+        self._changed_from.pop(request.request_id, None)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if blocks:
             self.block_pool.free_blocks(reversed(self._held(blocks)))
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def take_block_ids(self, request_id: str) -> list[int]:
+        """The whole table, for workers that do not hold the request yet."""
+        self._changed_from.pop(request_id, None)
+        return self.get_block_ids(request_id)
+
+    def take_block_ids_delta(self, request_id: str) -> tuple[int, list[int]]:
+        """(first changed entry, the table from there) since the last take, for workers
+        that hold the rest of the table."""
+        blocks = self.req_to_blocks.get(request_id, ())
+        start = self._changed_from.pop(request_id, len(blocks))
+        return start, [b.block_id for b in blocks[start:]]
 
     # ----- accounting ---------------------------------------------------------------------
 
@@ -278,6 +305,7 @@ class KVCacheManager:
     def check_invariants(self, live_requests: list[Request] | None = None) -> None:
         """Ref counts equal the number of block tables holding each block; no leaks."""
         self.block_pool.check_invariants()
+        assert set(self._changed_from) <= set(self.req_to_blocks), self._changed_from
         expected: dict[int, int] = {}
         if self.null_block is not None:
             expected[self.null_block.block_id] = 1  # the pool's own reference

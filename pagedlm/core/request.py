@@ -80,6 +80,8 @@ class Request:
         # for its siblings before the next selection).
         self.paused = False
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # Leading tokens of all_token_ids the workers hold (0: they do not hold the request).
+        self.num_synced_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,6 +116,8 @@ class Request:
         assert self.output_token_ids and self.num_computed_tokens < self.num_tokens
         self.output_token_ids[-1] = token_id
         self.all_token_ids[-1] = token_id
+        if self.num_synced_tokens == self.num_tokens:
+            self.num_synced_tokens -= 1  # the workers hold the old one: send it again
 
     def __repr__(self) -> str:
         return (

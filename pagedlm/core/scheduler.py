@@ -14,50 +14,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-
-
-@dataclass
-class ScheduledRequest:
-    """One request's share of a step: compute `token_ids` starting at `num_computed_tokens`."""
-
-    request: Request
-    num_computed_tokens: int  # position of the first token to compute
-    num_new_tokens: int
-    block_ids: list[int]  # the request's whole block table
-    # The step computes the request's last known token, so a new one is sampled after it.
-    sample: bool
-    # Samples forked from this request at this step (n > 1): each samples its own first
-    # token from this request's logits, then shares its blocks.
-    forks: list[Request] = field(default_factory=list)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def token_ids(self) -> list[int]:
-        start = self.num_computed_tokens
-        return self.request.all_token_ids[start : start + self.num_new_tokens]
-
-
-@dataclass
-class SchedulerOutput:
-    """The only thing the model runner sees of the scheduler's decisions."""
-
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    num_scheduled_tokens: int = 0
-    preempted_request_ids: list[str] = field(default_factory=list)
-    # Copy-on-write: copy block src to block dst in every layer before the forward pass.
-    copy_blocks: list[tuple[int, int]] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
+from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 
 
 class Scheduler:
@@ -72,6 +33,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
+        # Requests the workers hold that they must drop at the next step.
+        self._finished_req_ids: list[str] = []
 
     # ----- requests in and out -------------------------------------------------------
 
@@ -137,8 +100,16 @@ class Scheduler:
         raise AssertionError(f"{request} is in no queue")
 
     def _free(self, request: Request) -> None:
+        self._unsync(request)
         self.kv.free(request)
         del self.requests[request.request_id]
+
+    def _unsync(self, request: Request) -> None:
+        """The workers drop the request at the next step; if it runs again, it is sent
+        to them whole."""
+        if request.num_synced_tokens:
+            self._finished_req_ids.append(request.request_id)
+            request.num_synced_tokens = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.pending_forks)
@@ -212,24 +183,51 @@ class Scheduler:
             self._add_to_output(out, request, num_new)
             budget -= num_new
         out.copy_blocks = self.kv.take_pending_copies()
+        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        reaches_end = request.num_computed_tokens + num_new == request.num_tokens
-        forks = self.pending_forks.get(request.request_id, []) if reaches_end else []
-        out.scheduled.append(
-            ScheduledRequest(
-                request=request,
-                num_computed_tokens=request.num_computed_tokens,
-                num_new_tokens=num_new,
-                block_ids=self.kv.get_block_ids(request.request_id),
-                sample=reaches_end,
-                forks=list(forks),
-            )
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens
+        if request.num_synced_tokens == 0:
+            out.new_reqs.append(self._new_request_data(request, self.kv.take_block_ids(request_id),
+                                                       num_computed))
+        else:
+            start = request.num_synced_tokens
+            block_offset, new_block_ids = self.kv.take_block_ids_delta(request_id)
+            out.cached_reqs.append(request_id, start, request.all_token_ids[start:],
+                                   block_offset, new_block_ids, num_computed)
+        request.num_synced_tokens = request.num_tokens
+        if num_computed + num_new == request.num_tokens:
+            followers = self.pending_forks.get(request_id)
+            if followers:
+                # They share the table the leader has after this step's allocation.
+                block_ids = self.kv.get_block_ids(request_id)
+                out.fork_reqs[request_id] = [
+                    self._new_request_data(f, list(block_ids), num_computed + num_new)
+                    for f in followers]
+                for f in followers:
+                    f.num_synced_tokens = f.num_tokens
+        out.num_scheduled_tokens[request_id] = num_new
+        out.total_num_scheduled_tokens += num_new
+        out.num_prompt_tokens += min(num_new, max(0, request.num_prompt_tokens - num_computed))
+
+    @staticmethod
+    def _new_request_data(request: Request, block_ids: list[int],
+                          num_computed: int) -> NewRequestData:
+        return NewRequestData(
+            req_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=list(request.output_token_ids),
+            sampling_params=request.sampling_params,
+            seed=request.seed,
+            eos_token_ids=request.eos_token_ids,
+            block_ids=block_ids,
+            num_computed_tokens=num_computed,
         )
-        out.num_scheduled_tokens += num_new
 
     def _preempt(self, request: Request) -> None:
+        self._unsync(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -248,17 +246,17 @@ class Scheduler:
         that got a new token, finished or not.
         """
         updated = []
-        for sched in out.scheduled:
-            request = sched.request
-            if request.is_finished():
+        for request_id, num_new in out.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished():
                 continue  # aborted while the step ran; its blocks are already back
-            request.num_computed_tokens += sched.num_new_tokens
-            if not sched.sample:
-                continue
-            if sched.forks:
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prompt chunk: nothing sampled yet
+            if request_id in out.fork_reqs:
                 for follower in self._start_forks(request):
                     updated.append(self._append_token(follower, sampled_token_ids[follower.request_id]))
-            updated.append(self._append_token(request, sampled_token_ids[request.request_id]))
+            updated.append(self._append_token(request, sampled_token_ids[request_id]))
         return updated
 
     def _start_forks(self, leader: Request) -> list[Request]:
@@ -274,6 +272,7 @@ class Scheduler:
             follower.status = RequestStatus.RUNNING
             self.running.append(follower)
         for follower in reversed(deferred):
+            self._unsync(follower)
             self.waiting.appendleft(follower)
         return started
 

@@ -26,6 +26,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import Scheduler
 from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -62,9 +63,10 @@ class BeamGroup:
 class BeamSearchDriver:
     """Beam-search groups on an LLMEngine, advanced by the engine after every step."""
 
-    def __init__(self, engine) -> None:
-        self.engine = engine
-        self.scheduler = engine.scheduler
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], tokenizer) -> None:
+        self.scheduler = scheduler
+        self.eos_token_ids = eos_token_ids
+        self.tokenizer = tokenizer
         self._ids = itertools.count()
         self.groups: dict[str, BeamGroup] = {}  # user request id -> group
         self.owner: dict[str, BeamGroup] = {}  # beam request id -> group
@@ -73,7 +75,7 @@ class BeamSearchDriver:
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = BeamGroup(list(prompt_token_ids), params, self.engine.eos_token_ids)
+        group = BeamGroup(list(prompt_token_ids), params, self.eos_token_ids)
         request = self._new_request(group, group.prompt_token_ids)
         self.scheduler.add_request(request)
         self.groups[request_id] = group
@@ -117,7 +119,7 @@ class BeamSearchDriver:
         # K may exceed the user-facing logprobs cap; this is an internal request.
         params.logprobs = group.num_candidates
         return Request(f"beam-{next(self._ids)}", token_ids, params, seed=0,
-                       eos_token_ids=self.engine.eos_token_ids,
+                       eos_token_ids=self.eos_token_ids,
                        max_tokens=group.params.max_tokens)
 
     @staticmethod
@@ -187,7 +189,7 @@ class BeamSearchDriver:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def _output(self, group: BeamGroup) -> BeamSearchOutput:
-        tokenizer = self.engine.tokenizer
+        tokenizer = self.tokenizer
         sequences = []
         for h in group.finished:
             text = tokenizer.decode(h.tokens, skip_special_tokens=True) if tokenizer is not None else None

@@ -11,22 +11,23 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-from pagedlm.config import EngineArgs, GiB, SchedulerConfig
+from pagedlm.config import EngineArgs, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.scheduler import Scheduler, SchedulerOutput
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.beam_search import BeamSearchDriver
 from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedlm.engine.stats import EngineStats, KVUsageSample
+from pagedlm.executor import UniProcExecutor
+from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 from pagedlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 from pagedlm.worker.model_runner import ModelRunnerOutput
+from pagedlm.worker.worker import model_max_len
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _MASK64 = (1 << 64) - 1
 
 
@@ -36,36 +37,6 @@ def derive_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return (z ^ (z >> 31)) >> 1
-
-
-def _resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' was requested but CUDA is not available")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
-    if dtype != "auto":
-        return _TORCH_DTYPES[dtype]
-    if device.type == "cpu":
-        return torch.float32
-    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if config_dtype in (torch.float16, "float16"):
-        return torch.float16
-    return torch.bfloat16
-
-
-def _model_max_len(hf_config) -> int:
-    return getattr(hf_config, "max_position_embeddings", None) or 2048
-
-
-def _uniform_sliding_window(attn_layers) -> int | None:
-    """The window shared by every attention layer, or None (full attention anywhere, or
-    windows that differ: the cache then keeps every block and layers only mask)."""
-    windows = {a.sliding_window for a in attn_layers}
-    return windows.pop() if len(windows) == 1 else None
 
 
 def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
@@ -82,7 +53,7 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
 
 @dataclass
 class StepRecord:
-    """What the last step did, for drivers layered on the engine (beam search)."""
+    """What the last step did, for drivers layered on the engine (beam search, benchmarks)."""
 
     scheduled: SchedulerOutput
     result: ModelRunnerOutput
@@ -90,124 +61,41 @@ class StepRecord:
 
 
 class LLMEngine:
-    def __init__(self, args: EngineArgs) -> None:
-        from pagedlm.attention.backends import get_attention_backend, resolve_backend_name
-        from pagedlm.loader.model_loader import (
-            build_model,
-            load_tokenizer_for,
-            resolve_model_source,
-        )
-        from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block
-        from pagedlm.worker.model_runner import ModelRunner
+    """Requests in, one step at a time, outputs out. Everything model-side (weights, KV
+    cache tensors, the forward pass, sampling) is behind `model_executor`."""
 
+    def __init__(self, args: EngineArgs) -> None:
         t0 = time.perf_counter()
         self.args = args
-        if args.num_threads is not None:
-            torch.set_num_threads(args.num_threads)
-        self.device = _resolve_device(args.device)
         source = resolve_model_source(args.model)
         self.model_path = source.path
         self.hf_config = source.hf_config
-        self.dtype = _resolve_dtype(args.dtype, self.hf_config, self.device)
-        # The KV cache may be stored narrower than the model computes (llama.cpp's default
-        # is a float16 cache): half the memory and half the bytes each decode reads.
-        self.kv_cache_dtype = (self.dtype if args.kv_cache_dtype == "auto"
-                               else _TORCH_DTYPES[args.kv_cache_dtype])
-        model_max_len = _model_max_len(self.hf_config)
-        if args.max_model_len is not None and args.max_model_len > model_max_len:
+        self.vocab_size = self.hf_config.vocab_size
+        max_len = model_max_len(self.hf_config)
+        if args.max_model_len is not None and args.max_model_len > max_len:
             raise ValueError(
                 f"max_model_len ({args.max_model_len}) is larger than the model's context "
-                f"({model_max_len} tokens)"
+                f"({max_len} tokens)"
             )
         self.tokenizer = None
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer_for(source, args.tokenizer)
 
-        self.attention_backend = resolve_backend_name(args.attention_backend, self.device.type)
-        backend = get_attention_backend(self.attention_backend)
-        # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
-        self.model = build_model(source, backend, args.max_model_len or model_max_len, self.dtype,
-                                 self.device, args.load_format, args.seed)
-        # CPU float32 models: weight_dtype='q8' multiplies in int8 (layers/q8_weights.py);
-        # otherwise the weights are packed for float32 (or float16) matmuls, and those that are
-        # exactly GGUF blocks (a Q4_1 / Q8_0 file) also keep that form for small batches,
-        # found before the packing drops the float32 copies.
-        block_weights = []
-        if args.weight_dtype != "auto" and (self.device.type != "cpu" or self.dtype != torch.float32):
-            raise ValueError(f"weight_dtype={args.weight_dtype!r} is for float32 models on CPU; "
-                             "on GPUs set dtype='float16' instead")
-        if args.weight_dtype == "q8":
-            from pagedlm.layers.q8_weights import pack_weights_q8
-
-            logger.info("CPU linear weights: %s", pack_weights_q8(self.model))
-        elif self.device.type == "cpu" and self.dtype == torch.float32:
-            from pagedlm.layers.block_weights import attach_block_weights, recover_block_weights
-            from pagedlm.layers.panel_weights import pack_cpu_weights
-
-            block_weights = recover_block_weights(self.model)
-            logger.info("CPU linear weights: %s", pack_cpu_weights(self.model, args.weight_dtype))
-        if block_weights:
-            logger.info("block kernel for small batches on %d layers (GGUF Q4_1/Q8_0 weights)",
-                        attach_block_weights(block_weights))
-        cfg = self.hf_config
-        self.vocab_size = cfg.vocab_size
-        # The cache geometry comes from the model's own attention layers: config names for
-        # KV heads differ between architectures (Falcon's multi_query, GPT-2's n_head, ...).
-        attn_layers = self.model.attention_layers()
-        num_layers = len(attn_layers)
-        num_kv_heads = attn_layers[0].num_kv_heads
-        head_dim = attn_layers[0].head_dim
-        assert all((a.num_kv_heads, a.head_dim) == (num_kv_heads, head_dim) for a in attn_layers)
-        # Likewise the window: with one window W on every layer, blocks W tokens behind a
-        # request are freed as it advances (Mistral; Gemma's local/global mix only masks).
-        sliding_window = _uniform_sliding_window(attn_layers)
-        block_size = args.block_size
-        block_bytes = bytes_per_block(num_layers, block_size, num_kv_heads, head_dim,
-                                      self.kv_cache_dtype)
-        self.runner = ModelRunner(self.model, self.device, block_size, self.vocab_size)
-
+        self.model_executor = UniProcExecutor(args, source)
+        spec = self.model_executor.kv_cache_spec()
+        worker = self.model_executor.driver_worker
+        self.device, self.dtype = worker.device, worker.dtype
         max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
-        if self.device.type == "cuda" and args.kv_cache_memory is None:
-            num_blocks = self._profile_cuda_blocks(block_bytes, max_batched, model_max_len,
-                                                   num_layers, num_kv_heads, head_dim)
-        else:
-            budget = args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-            num_blocks = budget // block_bytes
+        num_blocks = self.model_executor.determine_num_blocks(max_batched, max_len)
         if num_blocks < 1:
             raise ValueError(
-                f"the KV cache budget holds no block: one block of {block_size} tokens needs "
-                f"{block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
+                f"the KV cache budget holds no block: one block of {spec.block_size} tokens "
+                f"needs {spec.block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
             )
-        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, args.enable_prefix_caching,
-                                               sliding_window)
-        capacity = self.kv_cache_manager.capacity_tokens
-        if self.kv_cache_manager.can_ever_fit(model_max_len, max_batched):
-            capacity = max(capacity, model_max_len)  # a window bounds the blocks held
-        if args.max_model_len is not None:
-            if args.max_model_len > capacity:
-                raise ValueError(
-                    f"max_model_len ({args.max_model_len}) is larger than the KV cache can hold "
-                    f"({capacity} tokens in {num_blocks} blocks); lower max_model_len or give the "
-                    f"cache more memory"
-                )
-            self.max_model_len = args.max_model_len
-        else:
-            self.max_model_len = min(model_max_len, capacity)
-
-        self.runner.bind_kv_cache(allocate_kv_cache(
-            num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.kv_cache_dtype,
-            self.device))
-        # Pure-decode steps on CPU run every decoder layer in one C++ call where the model
-        # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
-        # like them turned off by enforce_eager.
-        if self.device.type == "cpu" and not args.enforce_eager:
-            logger.info("C++ decoder for pure-decode steps: %s", self.runner.enable_cpu_decoder())
-        # Decode steps replay CUDA graphs unless told not to, or the backend plans from
-        # per-step host values a graph would freeze (the torch backend's length buckets).
-        self.cuda_graphs = (self.device.type == "cuda" and not args.enforce_eager
-                            and getattr(backend, "supports_cuda_graphs", False))
-        if self.cuda_graphs:
-            self.runner.enable_decode_graphs(args.max_num_seqs, self.max_model_len, capture=True)
+        self.kv_cache_manager = KVCacheManager(num_blocks, spec.block_size,
+                                               args.enable_prefix_caching, spec.sliding_window)
+        self.max_model_len = self._max_model_len(max_len, max_batched, num_blocks)
+        self.model_executor.initialize_cache(num_blocks, args.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -225,9 +113,7 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self.kv_usage: list[KVUsageSample] = []
         self.last_step: StepRecord | None = None
-        from pagedlm.engine.beam_search import BeamSearchDriver
-
-        self.beam_search = BeamSearchDriver(self)
+        self.beam_search = BeamSearchDriver(self.scheduler, self.eos_token_ids, self.tokenizer)
         # Beam-search requests: request id -> (prompt text, number of beams to return, arrival)
         self._beam_requests: dict[str, tuple[str | None, int, float]] = {}
         self.load_time_s = time.perf_counter() - t0
@@ -235,40 +121,27 @@ class LLMEngine:
             "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
             "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
-            block_size, capacity, self.max_model_len, self.attention_backend,
+            spec.block_size, self.kv_cache_manager.capacity_tokens, self.max_model_len,
+            worker.attention_backend,
             args.weight_dtype if args.weight_dtype != "auto" else str(self.dtype).removeprefix("torch."),
-            str(self.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
+            str(worker.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
         )
 
-    def _profile_cuda_blocks(self, block_bytes, max_batched, model_max_len, num_layers,
-                             num_kv_heads, head_dim) -> int:
-        """Run one forward pass at the largest step size and give the KV cache what is left
-        of gpu_memory_utilization after weights and peak activations."""
-        from pagedlm.core.scheduler import ScheduledRequest, SchedulerOutput
-        from pagedlm.worker.kv_cache import allocate_kv_cache, num_blocks_for_cuda
-
-        block_size = self.args.block_size
-        per_req = min(max_batched, model_max_len)
-        num_reqs = -(-max_batched // per_req)
-        blocks_per_req = -(-per_req // block_size)
-        caches = allocate_kv_cache(num_layers, num_reqs * blocks_per_req, block_size, num_kv_heads,
-                                   head_dim, self.kv_cache_dtype, self.device)
-        self.runner.bind_kv_cache(caches)
-        sched = SchedulerOutput()
-        for i in range(num_reqs):
-            req = Request(f"profile-{i}", [0] * per_req, SamplingParams(max_tokens=1), seed=0)
-            sched.scheduled.append(ScheduledRequest(
-                req, 0, per_req, list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), True))
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self.runner.execute_model(sched)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        del caches, sched
-        self.runner.kv_caches = []
-        torch.cuda.empty_cache()
-        return num_blocks_for_cuda(peak - weights, block_bytes, self.args.gpu_memory_utilization,
-                                   self.device)
+    def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
+        """The context served: max_model_len if the cache can hold it, else the model's
+        context as far as the cache holds it."""
+        capacity = self.kv_cache_manager.capacity_tokens
+        if self.kv_cache_manager.can_ever_fit(model_max, max_batched):
+            capacity = max(capacity, model_max)  # a window bounds the blocks held
+        if self.args.max_model_len is None:
+            return min(model_max, capacity)
+        if self.args.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len ({self.args.max_model_len}) is larger than the KV cache can "
+                f"hold ({capacity} tokens in {num_blocks} blocks); lower max_model_len or give "
+                f"the cache more memory"
+            )
+        return self.args.max_model_len
 
     # ----- requests -----------------------------------------------------------------------
 
@@ -411,20 +284,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
-        result = self.runner.execute_model(sched)
+        result = self.model_executor.execute_model(sched)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         self.last_step = StepRecord(sched, result, updated)
         outputs, stopped = self.output_processor.process(
-            [s.request_id for s in sched.scheduled], updated, result)
+            list(sched.num_scheduled_tokens), updated, result)
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         if self.beam_search.has_groups():
             for request_id, beams in self.beam_search.on_step(self.last_step):
                 outputs.append(self._beam_output(request_id, beams))
         self._num_steps += 1
-        self._num_prompt_tokens += sum(
-            min(s.num_new_tokens, max(0, s.request.num_prompt_tokens - s.num_computed_tokens))
-            for s in sched.scheduled)
+        self._num_prompt_tokens += sched.num_prompt_tokens
         self._num_generation_tokens += len(updated)
         if self.args.record_kv_usage:
             self.kv_usage.append(KVUsageSample(

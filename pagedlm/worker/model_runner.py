@@ -13,15 +13,10 @@ import numpy as np
 import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
-from pagedlm.core.request import Request
-from pagedlm.core.scheduler import ScheduledRequest, SchedulerOutput
-from pagedlm.sample.sampler import (
-    Sampler,
-    SamplingRequestState,
-    compute_logprobs,
-    make_sampling_batch,
-)
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.sample.sampler import Sampler, compute_logprobs
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
+from pagedlm.worker.input_batch import InputBatch
 
 
 @dataclass
@@ -48,13 +43,15 @@ class StepInputs:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
-    order: list[ScheduledRequest]  # requests in batch order (decodes first)
     logits_indices: torch.Tensor  # [num_sampled] token index of each sampled row's last token
-    # The request behind each sampled row: a request that reached its last token, then
-    # each sample forked from it at this step (same logits row, its own seed).
-    sampled: list[Request]
-    # Prompt-logprob requests: (request, token indices into the batch, target prompt token ids)
-    prompt_logprob_rows: list[tuple[ScheduledRequest, np.ndarray, np.ndarray]]
+    # The persistent-batch row and request id behind each sampled row: a request that
+    # reached its last token, then each sample forked from it at this step (same logits
+    # row, its own seed).
+    sampled_rows: np.ndarray  # [num_sampled]
+    sampled_req_ids: list[str]
+    # Prompt-logprob rows: (request id, first position, token indices into the batch,
+    # target prompt token ids)
+    prompt_logprob_rows: list[tuple[str, int, np.ndarray, np.ndarray]]
 
 
 class ModelRunner:
@@ -65,6 +62,7 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.sampler = Sampler()
+        self.input_batch = InputBatch(vocab_size)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.decode_graphs: DecodeGraphRunner | None = None
         # Step inputs go to a GPU through pinned host memory, asynchronously (the caching
@@ -110,64 +108,66 @@ class ModelRunner:
     # ----- inputs -----------------------------------------------------------------------
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        """The step's tensors, gathered from the persistent batch (after `update`)."""
+        batch = self.input_batch
+        row_of = batch.row_of
+        req_ids = list(sched.num_scheduled_tokens)
+        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
+        q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
+        starts = batch.num_computed_tokens[rows]
         # Decodes first, longest context first (the attention backend buckets decodes by
-        # length), then prefill chunks.
-        order = sorted(
-            sched.scheduled,
-            key=lambda s: (s.num_new_tokens != 1, -s.num_computed_tokens if s.num_new_tokens == 1 else 0),
-        )
-        num_reqs = len(order)
-        num_decodes = sum(1 for s in order if s.num_new_tokens == 1)
-        q_lens = np.fromiter((s.num_new_tokens for s in order), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.num_computed_tokens for s in order), dtype=np.int64, count=num_reqs)
+        # length), then prefill chunks, each group in scheduling order (a stable sort).
+        is_prefill = q_lens != 1
+        order = np.lexsort((np.where(is_prefill, 0, -starts), is_prefill))
+        rows, q_lens, starts = rows[order], q_lens[order], starts[order]
+        num_reqs = len(rows)
+        num_decodes = num_reqs - int(is_prefill.sum())
         seq_lens = starts + q_lens
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
 
-        tokens: list[int] = []
-        for s in order:
-            all_ids = s.request.all_token_ids
-            if s.num_new_tokens == 1:
-                tokens.append(all_ids[s.num_computed_tokens])
-            else:
-                tokens.extend(all_ids[s.num_computed_tokens : s.num_computed_tokens + s.num_new_tokens])
-        input_ids = np.array(tokens, dtype=np.int64)
-
         req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
         positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
-
-        max_blocks = max(len(s.block_ids) for s in order)
-        block_tables = np.zeros((num_reqs, max_blocks), dtype=np.int64)
-        for i, s in enumerate(order):
-            block_tables[i, : len(s.block_ids)] = s.block_ids
+        row_of_token = rows[req_of_token]
+        input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
         slot_mapping = (
             block_tables[req_of_token, positions // self.block_size] * self.block_size
             + positions % self.block_size
         )
 
-        sampled: list[Request] = []
-        rows: list[int] = []
-        for i, s in enumerate(order):
-            if s.sample:
-                for request in [s.request, *s.forks]:
-                    sampled.append(request)
-                    rows.append(int(cu[i + 1]) - 1)
-        logits_indices = np.array(rows, dtype=np.int64)
+        # A request samples when the step reaches its last token.
+        samples = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        last_index = cu[1:] - 1
+        if not sched.fork_reqs:
+            sampled_rows = rows[samples]
+            logits_indices = last_index[samples]
+        else:
+            sampled_list: list[int] = []
+            index_list: list[int] = []
+            for i in samples.tolist():
+                row = int(rows[i])
+                followers = sched.fork_reqs.get(batch.req_ids[row], ())
+                for r in (row, *(row_of[f.req_id] for f in followers)):
+                    sampled_list.append(r)
+                    index_list.append(int(last_index[i]))
+            sampled_rows = np.array(sampled_list, dtype=np.int64)
+            logits_indices = np.array(index_list, dtype=np.int64)
+        sampled_req_ids = [batch.req_ids[r] for r in sampled_rows.tolist()]
 
         prompt_rows = []
-        for i, s in enumerate(order):
-            request = s.request
-            if request.sampling_params.prompt_logprobs is None:
-                continue
+        for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
+            row = int(rows[i])
             # Position p predicts prompt token p + 1; only positions inside the prompt count.
-            first = s.num_computed_tokens
-            last = min(first + s.num_new_tokens, request.num_prompt_tokens - 1)
+            first = int(starts[i])
+            last = min(first + int(q_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
             if last <= first:
                 continue
             idx = np.arange(cu[i], cu[i] + (last - first), dtype=np.int64)
-            targets = np.array(request.prompt_token_ids[first + 1 : last + 1], dtype=np.int64)
-            prompt_rows.append((s, idx, targets))
+            targets = batch.token_ids[row, first + 1 : last + 1].copy()
+            prompt_rows.append((batch.req_ids[row], first + 1, idx, targets))
 
         up = self._upload
         meta = AttentionMetadata(
@@ -188,9 +188,9 @@ class ModelRunner:
             input_ids=up(input_ids),
             positions=up(positions),
             meta=meta,
-            order=order,
             logits_indices=up(logits_indices),
-            sampled=sampled,
+            sampled_rows=sampled_rows,
+            sampled_req_ids=sampled_req_ids,
             prompt_logprob_rows=prompt_rows,
         )
 
@@ -198,6 +198,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self.input_batch.update(sched)
         if sched.copy_blocks:
             self.copy_blocks(sched.copy_blocks)
         inputs = self.prepare_inputs(sched)
@@ -205,34 +206,25 @@ class ModelRunner:
         out = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, out)
-        if not inputs.sampled:
+        if not inputs.sampled_req_ids:
             return out
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
-        states = [
-            SamplingRequestState(
-                params=r.sampling_params,
-                seed=r.seed,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=r.output_token_ids,
-                eos_token_ids=r.eos_token_ids,
-            )
-            for r in inputs.sampled
-        ]
-        batch = make_sampling_batch(states, logits.shape[-1], logits.device)
+        batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
         result = self.sampler(logits, batch)
         token_ids = result.sampled_token_ids.tolist()
-        for r, token_id in zip(inputs.sampled, token_ids):
-            out.sampled_token_ids[r.request_id] = token_id
+        req_ids = inputs.sampled_req_ids
+        out.sampled_token_ids = dict(zip(req_ids, token_ids))
         if result.sampled_logprobs is not None:
             lps = result.sampled_logprobs.tolist()
             ranks = result.sampled_ranks.tolist()
             top_ids = result.topk_token_ids.tolist()
             top_lps = result.topk_logprobs.tolist()
-            for i, r in enumerate(inputs.sampled):
-                num_top = r.sampling_params.logprobs
-                if num_top is None:
+            num_logprobs = self.input_batch.num_logprobs[inputs.sampled_rows].tolist()
+            for i, req_id in enumerate(req_ids):
+                num_top = num_logprobs[i]
+                if num_top < 0:
                     continue
-                out.logprobs[r.request_id] = TokenLogprobs(
+                out.logprobs[req_id] = TokenLogprobs(
                     token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
                 )
         return out
@@ -260,15 +252,15 @@ class ModelRunner:
             v_cache[dst] = v_cache[src]
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: StepInputs, out: ModelRunnerOutput) -> None:
-        for s, idx, targets in inputs.prompt_logprob_rows:
-            num_top = s.request.sampling_params.prompt_logprobs
+        batch = self.input_batch
+        for req_id, first_pos, idx, targets in inputs.prompt_logprob_rows:
+            num_top = int(batch.num_prompt_logprobs[batch.row_of[req_id]])
             logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
             lp, rank, top_ids, top_lps = compute_logprobs(
                 logits, torch.from_numpy(targets).to(self.device), num_top
             )
             lp, rank, top_ids, top_lps = lp.tolist(), rank.tolist(), top_ids.tolist(), top_lps.tolist()
-            first_pos = s.num_computed_tokens + 1
-            out.prompt_logprobs[s.request_id] = [
+            out.prompt_logprobs[req_id] = [
                 (first_pos + j, TokenLogprobs(int(targets[j]), lp[j], rank[j], top_ids[j], top_lps[j]))
                 for j in range(len(targets))
             ]

@@ -14,6 +14,7 @@ from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.sampling_params import SamplingParams
+from tests.core.step_view import schedule
 
 BS = 4
 
@@ -162,7 +163,7 @@ def _drive(sched: Scheduler, token=7, max_steps=500):
     for _ in range(max_steps):
         if not sched.has_unfinished_requests():
             return outs
-        out = sched.schedule()
+        out = schedule(sched)
         assert not out.is_empty, "no progress"
         sampled = {}
         for s in out.scheduled:
@@ -184,7 +185,7 @@ def test_scheduler_forks_n_samples_from_one_prompt_computation():
     sched.add_forked_requests(leader, followers)
     outs = _drive(sched)
     first = outs[0]
-    assert first.num_scheduled_tokens == 10  # the prompt, once
+    assert first.total_num_scheduled_tokens == 10  # the prompt, once
     assert [r.request_id for r in first.scheduled[0].forks] == ["1_x", "2_x", "3_x"]
     second = outs[1]
     assert sorted(s.request_id for s in second.scheduled) == ["0_x", "1_x", "2_x", "3_x"]
@@ -215,7 +216,7 @@ def test_abort_pending_fork_and_leader():
     followers = [req(f"{i}_x", range(10)) for i in (1, 2)]
     sched.add_request(leader)
     sched.add_forked_requests(leader, followers)
-    out = sched.schedule()
+    out = schedule(sched)
     sched.update_from_output(out, {})
     sched.finish_requests(["1_x"], RequestStatus.FINISHED_ABORTED)
     sched.check_invariants()

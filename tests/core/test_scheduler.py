@@ -17,6 +17,7 @@ from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.scheduler import Scheduler, SchedulerOutput
 from pagedlm.sampling_params import SamplingParams
+from tests.core.step_view import schedule
 
 EOS = 2
 
@@ -61,7 +62,7 @@ def token_for(request: Request) -> int:
 def step(
     s: Scheduler, tokens: Callable[[Request], int] | dict[str, int] = token_for
 ) -> tuple[SchedulerOutput, list[Request]]:
-    out = s.schedule()
+    out = schedule(s)
     s.check_invariants()
     sampled = {}
     for sr in out.scheduled:
@@ -94,8 +95,8 @@ def run_to_completion(s: Scheduler, max_steps: int = 500) -> int:
 
 def test_empty_scheduler() -> None:
     s = make_scheduler(4)
-    out = s.schedule()
-    assert out.is_empty and out.num_scheduled_tokens == 0 and out.preempted_request_ids == []
+    out = schedule(s)
+    assert out.is_empty and out.total_num_scheduled_tokens == 0 and out.preempted_request_ids == []
     assert not s.has_unfinished_requests()
     assert s.num_running == 0 and s.num_waiting == 0
 
@@ -114,7 +115,7 @@ def test_token_budget_chunks_and_decode_first() -> None:
     assert summary(out) == [("r0", 10, 1, True), ("r1", 6, 4, True), ("r2", 0, 3, False)]
     out, _ = step(s)
     assert summary(out) == [("r0", 11, 1, True), ("r1", 10, 1, True), ("r2", 3, 6, False)]
-    assert out.num_scheduled_tokens == 8
+    assert out.total_num_scheduled_tokens == 8
     steps = run_to_completion(s)
     assert steps < 20
 
@@ -125,8 +126,8 @@ def test_budget_never_exceeded_and_counts_match() -> None:
         s.add_request(make_request(f"r{i}", 3 + i, 4))
     while s.has_unfinished_requests():
         out, _ = step(s)
-        assert 0 < out.num_scheduled_tokens <= 5
-        assert out.num_scheduled_tokens == sum(r.num_new_tokens for r in out.scheduled)
+        assert 0 < out.total_num_scheduled_tokens <= 5
+        assert out.total_num_scheduled_tokens == sum(r.num_new_tokens for r in out.scheduled)
 
 
 def test_max_num_seqs() -> None:
@@ -497,7 +498,7 @@ def test_finish_requests_waiting_running_and_unknown() -> None:
     s.finish_requests(["r0"], RequestStatus.FINISHED_ABORTED)
     assert not s.has_unfinished_requests()
     assert s.kv.num_free_blocks == 8 and s.requests == {}
-    assert s.schedule().is_empty
+    assert schedule(s).is_empty
 
 
 def test_finish_requests_preempted_request() -> None:
@@ -604,14 +605,14 @@ def test_random_workloads_complete(workload) -> None:
 
         running_before = [r.request_id for r in s.running]
         waiting_before = [r.request_id for r in s.waiting]
-        out = s.schedule()
+        out = schedule(s)
         s.check_invariants()
         if running_before or waiting_before:
             assert not out.is_empty, "no progress while requests are unfinished"
 
         # Budget, max_num_seqs, block tables.
-        assert out.num_scheduled_tokens == sum(r.num_new_tokens for r in out.scheduled)
-        assert out.num_scheduled_tokens <= budget
+        assert out.total_num_scheduled_tokens == sum(r.num_new_tokens for r in out.scheduled)
+        assert out.total_num_scheduled_tokens <= budget
         assert len(out.scheduled) <= max_seqs and s.num_running <= max_seqs
         ids = [r.request_id for r in out.scheduled]
         assert len(set(ids)) == len(ids)

@@ -19,6 +19,7 @@ from pagedlm.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedlm.core.request import Request
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.sampling_params import SamplingParams
+from tests.core.step_view import schedule
 
 BS = 4
 
@@ -208,7 +209,7 @@ def test_scheduler_runs_generations_far_longer_than_the_cache() -> None:
         s.add_request(r)
     steps = 0
     while s.has_unfinished_requests():
-        out = s.schedule()
+        out = schedule(s)
         s.check_invariants()
         for sched in out.scheduled:
             held = kv.num_held_blocks(sched.request_id)

@@ -68,7 +68,7 @@ def test_greedy_equals_hf(tiny_paths, layout):
                                context=f"{layout} chunk={chunk}")
     # The KV cache holds exactly the KV heads the checkpoint has (GQA 2, multi-query 1).
     expected_kv = {"new-gqa": 2, "old-mqa-parallel": 1, "old-mha-serial": 8}[layout]
-    for attn in llm.llm_engine.model.attention_layers():
+    for attn in llm.llm_engine.model_executor.driver_worker.model.attention_layers():
         assert attn.k_cache.shape[2] == expected_kv
 
     if layout == "new-gqa":

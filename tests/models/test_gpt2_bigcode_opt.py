@@ -61,7 +61,7 @@ def test_greedy_equals_hf(tiny):
     llm = LLM(path, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22)
     if name == "bigcode-mqa":
         # One shared kv head: the engine must size (and the model bind) a 1-head KV cache.
-        assert all(a.k_cache.shape[2] == 1 for a in llm.llm_engine.model.attention_layers())
+        assert all(a.k_cache.shape[2] == 1 for a in llm.llm_engine.model_executor.driver_worker.model.attention_layers())
     _check_greedy(llm, hf, name)
     stats = llm.stats()
     assert stats.num_blocks_free == stats.num_blocks_total

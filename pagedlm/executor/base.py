@@ -1,0 +1,35 @@
+"""The engine's side of the engine/worker boundary.
+
+An executor owns the workers and speaks to them only in data: a `SchedulerOutput` in, a
+`ModelRunnerOutput` out, each step. The engine never touches a model, a weight or a KV
+cache tensor, so the same engine runs one in-process worker or several ranks elsewhere.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.worker.model_runner import ModelRunnerOutput
+from pagedlm.worker.worker import KVCacheSpec
+
+
+class Executor(ABC):
+    @abstractmethod
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The cache geometry every worker shares."""
+
+    @abstractmethod
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """KV blocks every worker can hold (the smallest over workers)."""
+
+    @abstractmethod
+    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
+        """Allocate `num_blocks` blocks on every worker and get their step paths ready."""
+
+    @abstractmethod
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step on every worker; the sampled result (the same on every rank)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to stop in-process
+        """Stop the workers; the executor cannot be used afterwards."""

@@ -1,0 +1,283 @@
+"""The worker's persistent batch: every request it holds, one row each, kept from step to
+step and changed only by what a `SchedulerOutput` says changed.
+
+    row        token_ids (prompt | output)      block_table       sampling columns
+    0  "a"     [ 5 9 2 7 | 11 4 . . . ]         [ 3 7 . . ]       t=0.8 k=0  seed ...
+    1  free
+    2  "b"     [ 8 1 | . . . . . . . ]          [ 2 . . . ]       t=0   k=40 seed ...
+
+Rows are numpy arrays, so a step's inputs (token ids, positions, block tables, slot
+mapping) and its sampling tensors are gathered for all scheduled rows at once, never
+rebuilt from Python lists. Entries of a row past its tokens / blocks are zero. Arrays
+grow (doubling) when more rows, tokens or blocks are needed.
+
+Invariant: for every request the worker holds, its row equals what a freshly built row
+would be from the scheduler's `Request` and block table (tests/test_input_batch.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.sample.sampler import SamplingBatch
+from pagedlm.sampling_params import SamplingParams
+
+_SEED_MODULUS = 1 << 63
+
+
+def _grow(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
+    shape = (rows,) if a.ndim == 1 else (rows, cols)
+    out = np.zeros(shape, dtype=a.dtype)
+    if a.ndim == 1:
+        out[: a.shape[0]] = a
+    else:
+        out[: a.shape[0], : a.shape[1]] = a
+    return out
+
+
+class InputBatch:
+    def __init__(self, vocab_size: int, max_num_rows: int = 64, max_num_tokens: int = 256,
+                 max_num_blocks: int = 16) -> None:
+        self.vocab_size = vocab_size
+        self.req_ids: list[str | None] = [None] * max_num_rows  # row -> request id
+        self.row_of: dict[str, int] = {}
+        self._free_rows = list(range(max_num_rows - 1, -1, -1))  # lowest row first
+        self.params: list[SamplingParams | None] = [None] * max_num_rows
+        self.eos_token_ids: list[tuple[int, ...]] = [()] * max_num_rows
+        self.token_ids = np.zeros((max_num_rows, max_num_tokens), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_prompt_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_computed_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.block_table = np.zeros((max_num_rows, max_num_blocks), dtype=np.int64)
+        self.num_blocks = np.zeros(max_num_rows, dtype=np.int64)
+        # Sampling columns, set once per request (SamplingParams is immutable in flight).
+        self.greedy = np.zeros(max_num_rows, dtype=bool)
+        self.temperature = np.zeros(max_num_rows, dtype=np.float32)
+        self.seed = np.zeros(max_num_rows, dtype=np.int64)
+        self.top_k = np.zeros(max_num_rows, dtype=np.int64)  # 0 = off
+        self.top_p = np.zeros(max_num_rows, dtype=np.float32)
+        self.min_p = np.zeros(max_num_rows, dtype=np.float32)
+        self.repetition_penalty = np.zeros(max_num_rows, dtype=np.float32)
+        self.frequency_penalty = np.zeros(max_num_rows, dtype=np.float32)
+        self.presence_penalty = np.zeros(max_num_rows, dtype=np.float32)
+        self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
+        self.num_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
+        self.num_prompt_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.row_of)
+
+    # ----- applying a step's changes ---------------------------------------------------------
+
+    def update(self, sched: SchedulerOutput) -> None:
+        """Forget finished requests, add new ones (and this step's forked samples), then
+        apply the deltas of the others."""
+        for req_id in sched.finished_req_ids:
+            self.remove(req_id)
+        for new in sched.new_reqs:
+            self.add(new)
+        for followers in sched.fork_reqs.values():
+            for new in followers:
+                self.add(new)
+        cached = sched.cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            row = self.row_of[req_id]
+            tokens = cached.new_token_ids[i]
+            if tokens:
+                start = cached.token_offsets[i]
+                end = start + len(tokens)
+                self._fit_tokens(end)
+                self.token_ids[row, start:end] = tokens
+                self.token_ids[row, end : self.num_tokens[row]] = 0
+                self.num_tokens[row] = end
+            blocks = cached.new_block_ids[i]
+            start = cached.block_offsets[i]
+            if blocks or start < self.num_blocks[row]:
+                end = start + len(blocks)
+                self._fit_blocks(end)
+                self.block_table[row, start:end] = blocks
+                self.block_table[row, end : self.num_blocks[row]] = 0
+                self.num_blocks[row] = end
+        if len(cached):
+            rows = [self.row_of[r] for r in cached.req_ids]
+            self.num_computed_tokens[rows] = cached.num_computed_tokens
+
+    def add(self, new: NewRequestData) -> None:
+        assert new.req_id not in self.row_of, new.req_id
+        if not self._free_rows:
+            self._grow_rows(2 * len(self.req_ids))
+        row = self._free_rows.pop()
+        self.req_ids[row] = new.req_id
+        self.row_of[new.req_id] = row
+        num_prompt = len(new.prompt_token_ids)
+        num_tokens = num_prompt + len(new.output_token_ids)
+        self._fit_tokens(num_tokens)
+        self.token_ids[row, :num_prompt] = new.prompt_token_ids
+        self.token_ids[row, num_prompt:num_tokens] = new.output_token_ids
+        self.num_tokens[row] = num_tokens
+        self.num_prompt_tokens[row] = num_prompt
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self._fit_blocks(len(new.block_ids))
+        self.block_table[row, : len(new.block_ids)] = new.block_ids
+        self.num_blocks[row] = len(new.block_ids)
+
+        p = new.sampling_params
+        self.params[row] = p
+        self.eos_token_ids[row] = tuple(new.eos_token_ids)
+        self.greedy[row] = p.is_greedy
+        self.temperature[row] = p.temperature
+        self.seed[row] = new.seed % _SEED_MODULUS
+        self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else 0
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.repetition_penalty[row] = p.repetition_penalty
+        self.frequency_penalty[row] = p.frequency_penalty
+        self.presence_penalty[row] = p.presence_penalty
+        self.min_tokens[row] = p.min_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+
+    def remove(self, req_id: str) -> None:
+        row = self.row_of.pop(req_id)
+        self.req_ids[row] = None
+        self.params[row] = None
+        self.token_ids[row, : self.num_tokens[row]] = 0
+        self.block_table[row, : self.num_blocks[row]] = 0
+        self.num_tokens[row] = self.num_blocks[row] = 0
+        self._free_rows.append(row)
+
+    def _grow_rows(self, num_rows: int) -> None:
+        old = len(self.req_ids)
+        for name, value in vars(self).items():
+            if isinstance(value, np.ndarray):
+                setattr(self, name, _grow(value, num_rows, value.shape[1] if value.ndim == 2 else None))
+        self.req_ids.extend([None] * (num_rows - old))
+        self.params.extend([None] * (num_rows - old))
+        self.eos_token_ids.extend([()] * (num_rows - old))
+        self._free_rows = list(range(num_rows - 1, old - 1, -1)) + self._free_rows
+
+    def _fit_tokens(self, num_tokens: int) -> None:
+        width = self.token_ids.shape[1]
+        if num_tokens > width:
+            while width < num_tokens:
+                width *= 2
+            self.token_ids = _grow(self.token_ids, self.token_ids.shape[0], width)
+
+    def _fit_blocks(self, num_blocks: int) -> None:
+        width = self.block_table.shape[1]
+        if num_blocks > width:
+            while width < num_blocks:
+                width *= 2
+            self.block_table = _grow(self.block_table, self.block_table.shape[0], width)
+
+    # ----- what a step reads -----------------------------------------------------------------
+
+    def sampling_batch(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
+        """The sampling tensors for batch rows `rows` (row indices of this batch, in the
+        order of the logits rows), as `sampler.make_sampling_batch` builds them from
+        per-request states; that function is the reference this one is tested against."""
+        num_reqs = len(rows)
+        greedy = self.greedy[rows]
+        random_idx = np.flatnonzero(~greedy)
+        all_greedy = random_idx.size == 0
+        all_random = not all_greedy and random_idx.size == num_reqs
+        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+
+        def up(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+
+        temperature = seeds = steps = top_k = top_p = min_p = None
+        max_top_k = 0
+        if not all_greedy:
+            rand = rows[random_idx]
+            temperature = up(self.temperature[rand])
+            seeds = up(self.seed[rand])
+            steps = up(num_output[random_idx])
+            ks = self.top_k[rand]
+            max_top_k = int(ks.max())
+            if max_top_k > 0:
+                top_k = up(ks)
+            ps = self.top_p[rand]
+            if (ps < 1.0).any():
+                top_p = up(ps)
+            mps = self.min_p[rand]
+            if (mps > 0.0).any():
+                min_p = up(mps)
+
+        repetition_penalty = seen_mask = None
+        rep = self.repetition_penalty[rows]
+        if (rep != 1.0).any():
+            repetition_penalty = up(rep)
+            positions = np.arange(self.token_ids.shape[1])
+            valid = (positions[None, :] < self.num_tokens[rows][:, None]) & (rep != 1.0)[:, None]
+            seen_mask = self._token_mask(rows, valid, device, counts=False)
+
+        frequency_penalty = presence_penalty = output_counts = None
+        freq, pres = self.frequency_penalty[rows], self.presence_penalty[rows]
+        uses = (freq != 0.0) | (pres != 0.0)
+        if uses.any():
+            frequency_penalty, presence_penalty = up(freq), up(pres)
+            positions = np.arange(self.token_ids.shape[1])
+            valid = ((positions[None, :] >= self.num_prompt_tokens[rows][:, None])
+                     & (positions[None, :] < self.num_tokens[rows][:, None]) & uses[:, None])
+            output_counts = self._token_mask(rows, valid, device, counts=True)
+
+        min_tokens_rows = min_tokens_ids = None
+        short = np.flatnonzero(num_output < self.min_tokens[rows])
+        if short.size:  # rare: a Python loop over those rows only
+            mt_rows: list[int] = []
+            mt_ids: list[int] = []
+            for i in short.tolist():
+                row = int(rows[i])
+                p = self.params[row]
+                banned = set(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    banned.update(self.eos_token_ids[row])
+                banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
+                mt_rows.extend([i] * len(banned))
+                mt_ids.extend(banned)
+            if mt_rows:
+                min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
+                min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
+
+        lps = self.num_logprobs[rows]
+        max_num_logprobs = int(lps.max()) if num_reqs and lps.max() >= 0 else None
+
+        return SamplingBatch(
+            num_reqs=num_reqs,
+            vocab_size=self.vocab_size,
+            device=torch.device(device),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            random_rows=None if all_random or all_greedy else up(random_idx.astype(np.int64)),
+            temperature=temperature,
+            seeds=seeds,
+            steps=steps,
+            top_k=top_k,
+            max_top_k=max_top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repetition_penalty=repetition_penalty,
+            seen_mask=seen_mask,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            output_counts=output_counts,
+            min_tokens_rows=min_tokens_rows,
+            min_tokens_ids=min_tokens_ids,
+            max_num_logprobs=max_num_logprobs,
+        )
+
+    def _token_mask(self, rows: np.ndarray, valid: np.ndarray, device: torch.device,
+                    counts: bool) -> torch.Tensor:
+        """[len(rows), vocab] counts (int32) or presence (bool) of the tokens of each row
+        where `valid`; the others are scattered into an extra column that is dropped."""
+        width = int(self.num_tokens[rows].max(initial=0))
+        ids = np.where(valid[:, :width], self.token_ids[rows, :width], self.vocab_size)
+        idx = torch.from_numpy(np.ascontiguousarray(ids)).to(device)  # [num_rows, width]
+        out = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.int32, device=device)
+        out.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
+        out = out[:, : self.vocab_size]
+        return out if counts else out > 0

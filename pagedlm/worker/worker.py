@@ -1,0 +1,180 @@
+"""One worker: a device, a model (or, with tensor parallelism, its shard), its KV cache and a
+model runner. Everything that touches weights or the cache lives here, so that an executor
+can run one in the engine's process or one per rank elsewhere.
+
+    Worker(args, source)          device, dtype, model built and weights loaded,
+                                  linear weights put in their CPU format
+    .kv_cache_spec()              what one KV block costs, the window, the layer geometry
+    .determine_num_blocks(...)    how many blocks fit (CUDA: profiled; CPU: the budget)
+    .initialize_cache(...)        allocate the cache, then the C++ decoder / CUDA graphs
+    .execute_model(sched)         one step: SchedulerOutput -> ModelRunnerOutput
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pagedlm.attention.backends import get_attention_backend, resolve_backend_name
+from pagedlm.config import EngineArgs, GiB
+from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.loader.model_loader import ModelSource, build_model
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_cuda
+from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
+from pagedlm.worker.weight_formats import prepare_cpu_weights
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, hf_config, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _TORCH_DTYPES[dtype]
+    if device.type == "cpu":
+        return torch.float32
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if config_dtype in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16
+
+
+def model_max_len(hf_config) -> int:
+    return getattr(hf_config, "max_position_embeddings", None) or 2048
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What the scheduler needs to know of the cache a worker will allocate."""
+
+    block_size: int
+    block_bytes: int  # one block of every layer, K and V
+    sliding_window: int | None  # the window every layer shares, or None
+
+
+def _uniform_sliding_window(attn_layers) -> int | None:
+    """The window shared by every attention layer, or None (full attention anywhere, or
+    windows that differ: the cache then keeps every block and layers only mask)."""
+    windows = {a.sliding_window for a in attn_layers}
+    return windows.pop() if len(windows) == 1 else None
+
+
+class Worker:
+    def __init__(self, args: EngineArgs, source: ModelSource) -> None:
+        self.args = args
+        if args.num_threads is not None:
+            torch.set_num_threads(args.num_threads)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, source.hf_config, self.device)
+        # The KV cache may be stored narrower than the model computes (llama.cpp's default
+        # is a float16 cache): half the memory and half the bytes each decode reads.
+        self.kv_cache_dtype = (self.dtype if args.kv_cache_dtype == "auto"
+                               else _TORCH_DTYPES[args.kv_cache_dtype])
+        if args.weight_dtype != "auto" and (self.device.type != "cpu" or self.dtype != torch.float32):
+            raise ValueError(f"weight_dtype={args.weight_dtype!r} is for float32 models on CPU; "
+                             "on GPUs set dtype='float16' instead")
+        self.attention_backend = resolve_backend_name(args.attention_backend, self.device.type)
+        backend = get_attention_backend(self.attention_backend)
+        self.supports_cuda_graphs = getattr(backend, "supports_cuda_graphs", False)
+        # The model sees the context it will serve (Phi-3's longrope picks its factors by it).
+        max_len = args.max_model_len or model_max_len(source.hf_config)
+        self.model = build_model(source, backend, max_len, self.dtype, self.device,
+                                 args.load_format, args.seed)
+        if self.device.type == "cpu" and self.dtype == torch.float32:
+            for line in prepare_cpu_weights(self.model, args.weight_dtype):
+                logger.info(line)
+        # The cache geometry comes from the model's own attention layers: config names for
+        # KV heads differ between architectures (Falcon's multi_query, GPT-2's n_head, ...).
+        attn_layers = self.model.attention_layers()
+        self.num_layers = len(attn_layers)
+        self.num_kv_heads = attn_layers[0].num_kv_heads
+        self.head_dim = attn_layers[0].head_dim
+        assert all((a.num_kv_heads, a.head_dim) == (self.num_kv_heads, self.head_dim)
+                   for a in attn_layers)
+        # Likewise the window: with one window W on every layer, blocks W tokens behind a
+        # request are freed as it advances (Mistral; Gemma's local/global mix only masks).
+        self.sliding_window = _uniform_sliding_window(attn_layers)
+        self.model_runner = ModelRunner(self.model, self.device, args.block_size,
+                                        source.hf_config.vocab_size)
+        self.cuda_graphs = False
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return KVCacheSpec(
+            block_size=self.args.block_size,
+            block_bytes=bytes_per_block(self.num_layers, self.args.block_size, self.num_kv_heads,
+                                        self.head_dim, self.kv_cache_dtype),
+            sliding_window=self.sliding_window,
+        )
+
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        """KV blocks this worker can hold: on CUDA what is left of gpu_memory_utilization
+        after weights and a profiled forward pass at the largest step; otherwise the
+        kv_cache_memory budget (CPU default 2 GiB)."""
+        block_bytes = self.kv_cache_spec().block_bytes
+        if self.device.type == "cuda" and self.args.kv_cache_memory is None:
+            return self._profile_cuda_blocks(block_bytes, max_num_batched_tokens, max_model_len)
+        budget = self.args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
+        return budget // block_bytes
+
+    def _profile_cuda_blocks(self, block_bytes: int, max_batched: int, max_model_len: int) -> int:
+        block_size = self.args.block_size
+        per_req = min(max_batched, max_model_len)
+        num_reqs = -(-max_batched // per_req)
+        blocks_per_req = -(-per_req // block_size)
+        caches = allocate_kv_cache(self.num_layers, num_reqs * blocks_per_req, block_size,
+                                   self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
+                                   self.device)
+        runner = self.model_runner
+        runner.bind_kv_cache(caches)
+        sched = SchedulerOutput()
+        for i in range(num_reqs):
+            req_id = f"profile-{i}"
+            sched.new_reqs.append(NewRequestData(
+                req_id, [0] * per_req, [], SamplingParams(max_tokens=1), 0, (),
+                list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), 0))
+            sched.num_scheduled_tokens[req_id] = per_req
+        sched.total_num_scheduled_tokens = num_reqs * per_req
+        torch.cuda.reset_peak_memory_stats(self.device)
+        runner.execute_model(sched)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        for req_id in list(sched.num_scheduled_tokens):
+            runner.input_batch.remove(req_id)
+        del caches, sched
+        runner.kv_caches = []
+        torch.cuda.empty_cache()
+        return num_blocks_for_cuda(peak - weights, block_bytes, self.args.gpu_memory_utilization,
+                                   self.device)
+
+    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
+        runner = self.model_runner
+        runner.bind_kv_cache(allocate_kv_cache(
+            self.num_layers, num_blocks, self.args.block_size, self.num_kv_heads, self.head_dim,
+            self.kv_cache_dtype, self.device))
+        # Pure-decode steps on CPU run every decoder layer in one C++ call where the model
+        # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
+        # like them turned off by enforce_eager.
+        if self.device.type == "cpu" and not self.args.enforce_eager:
+            logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
+        # Decode steps replay CUDA graphs unless told not to, or the backend plans from
+        # per-step host values a graph would freeze (the torch backend's length buckets).
+        self.cuda_graphs = (self.device.type == "cuda" and not self.args.enforce_eager
+                            and self.supports_cuda_graphs)
+        if self.cuda_graphs:
+            runner.enable_decode_graphs(max_num_seqs, max_model_len, capture=True)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(sched)
