@@ -15,6 +15,7 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_DTYPES = ("auto", "float16", "q8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+EXECUTOR_BACKENDS = ("mp",)
 
 
 def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -52,6 +53,10 @@ class EngineArgs:
     attention_backend: str = "auto"  # auto: C++ kernels on CPU if they build, else torch
     num_threads: int | None = None  # CPU intra-op threads; None = torch's default
     record_kv_usage: bool = False  # per-step allocated slots vs tokens held
+    # Ranks the model is split over (its heads, MLP and vocabulary), one worker process
+    # each; 1 = everything in the engine's process.
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"  # worker processes on this machine
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -76,6 +81,10 @@ class EngineArgs:
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
         _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _check_positive("num_threads", self.num_threads, allow_none=True)
+        _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -19,7 +19,7 @@ from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.beam_search import BeamSearchDriver
 from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedlm.engine.stats import EngineStats, KVUsageSample
-from pagedlm.executor import UniProcExecutor
+from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
 from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 from pagedlm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
@@ -81,10 +81,11 @@ class LLMEngine:
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer_for(source, args.tokenizer)
 
-        self.model_executor = UniProcExecutor(args, source)
-        spec = self.model_executor.kv_cache_spec()
-        worker = self.model_executor.driver_worker
-        self.device, self.dtype = worker.device, worker.dtype
+        self.model_executor: Executor = (
+            UniProcExecutor(args, source) if args.tensor_parallel_size == 1
+            else MultiprocExecutor(args))
+        spec = self.model_executor.worker_spec()
+        self.device, self.dtype = spec.device, spec.dtype
         max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
         num_blocks = self.model_executor.determine_num_blocks(max_batched, max_len)
         if num_blocks < 1:
@@ -122,9 +123,9 @@ class LLMEngine:
             "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
             self.model_path, self.device, str(self.dtype).removeprefix("torch."), num_blocks,
             spec.block_size, self.kv_cache_manager.capacity_tokens, self.max_model_len,
-            worker.attention_backend,
+            spec.attention_backend,
             args.weight_dtype if args.weight_dtype != "auto" else str(self.dtype).removeprefix("torch."),
-            str(worker.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
+            str(spec.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
         )
 
     def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
@@ -314,6 +315,10 @@ class LLMEngine:
     def _tokens_unshared(self) -> int:
         """What the live sequences would hold if nothing were shared."""
         return sum(r.num_computed_tokens for r in self.scheduler.running)
+
+    def shutdown(self) -> None:
+        """Stop the workers (tensor-parallel ranks); the engine cannot step afterwards."""
+        self.model_executor.shutdown()
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.block_pool.reset_prefix_cache()

@@ -52,7 +52,14 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                         "multiplied in float32 (half the weight bytes per step). q8: integer "
                         "matmuls as llama.cpp computes them: GGUF Q4_1/Q8_0 weights as stored "
                         "(others rounded to Q8_0), activations rounded to int8 per 32 values")
-    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads (per rank with --tensor-parallel-size; default: the "
+                        "machine's cores, split evenly between ranks)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's heads, MLP and vocabulary over this many ranks, one "
+                        "worker process each (gloo on CPU, NCCL on GPUs)")
+    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp"],
+                   help="how ranks run: mp = worker processes on this machine")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],
                    help="paged-attention implementation (auto: the C++ kernels on CPU, torch on "
@@ -69,6 +76,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
 
 

@@ -11,12 +11,12 @@ from abc import ABC, abstractmethod
 
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.worker.model_runner import ModelRunnerOutput
-from pagedlm.worker.worker import KVCacheSpec
+from pagedlm.worker.worker import WorkerSpec
 
 
 class Executor(ABC):
     @abstractmethod
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def worker_spec(self) -> WorkerSpec:
         """The cache geometry every worker shares."""
 
     @abstractmethod

@@ -7,15 +7,15 @@ from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.executor.base import Executor
 from pagedlm.loader.model_loader import ModelSource
 from pagedlm.worker.model_runner import ModelRunnerOutput
-from pagedlm.worker.worker import KVCacheSpec, Worker
+from pagedlm.worker.worker import Worker, WorkerSpec
 
 
 class UniProcExecutor(Executor):
     def __init__(self, args: EngineArgs, source: ModelSource) -> None:
         self.driver_worker = Worker(args, source)
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return self.driver_worker.kv_cache_spec()
+    def worker_spec(self) -> WorkerSpec:
+        return self.driver_worker.worker_spec()
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         return self.driver_worker.determine_num_blocks(max_num_batched_tokens, max_model_len)

@@ -4,7 +4,7 @@ can run one in the engine's process or one per rank elsewhere.
 
     Worker(args, source)          device, dtype, model built and weights loaded,
                                   linear weights put in their CPU format
-    .kv_cache_spec()              what one KV block costs, the window, the layer geometry
+    .worker_spec()              what one KV block costs, the window, the layer geometry
     .determine_num_blocks(...)    how many blocks fit (CUDA: profiled; CPU: the budget)
     .initialize_cache(...)        allocate the cache, then the C++ decoder / CUDA graphs
     .execute_model(sched)         one step: SchedulerOutput -> ModelRunnerOutput
@@ -56,12 +56,17 @@ def model_max_len(hf_config) -> int:
 
 
 @dataclass(frozen=True)
-class KVCacheSpec:
-    """What the scheduler needs to know of the cache a worker will allocate."""
+class WorkerSpec:
+    """What the engine needs to know of a worker: the cache it will allocate (for the
+    block pool and scheduler) and, for the log and the API, where and how it computes."""
 
     block_size: int
-    block_bytes: int  # one block of every layer, K and V
+    block_bytes: int  # one block of every layer, K and V (this rank's heads)
     sliding_window: int | None  # the window every layer shares, or None
+    device: torch.device
+    dtype: torch.dtype
+    kv_cache_dtype: torch.dtype
+    attention_backend: str
 
 
 def _uniform_sliding_window(attn_layers) -> int | None:
@@ -72,11 +77,18 @@ def _uniform_sliding_window(attn_layers) -> int | None:
 
 
 class Worker:
-    def __init__(self, args: EngineArgs, source: ModelSource) -> None:
+    """`rank` of `args.tensor_parallel_size` ranks; the tensor-parallel group (layers/
+    parallel_state.py) and torch.distributed are set up by the executor before."""
+
+    def __init__(self, args: EngineArgs, source: ModelSource, rank: int = 0) -> None:
         self.args = args
+        self.rank = rank
+        self.world_size = args.tensor_parallel_size
         if args.num_threads is not None:
             torch.set_num_threads(args.num_threads)
         self.device = resolve_device(args.device)
+        if self.device.type == "cuda" and self.world_size > 1:
+            self.device = torch.device("cuda", rank)
         self.dtype = resolve_dtype(args.dtype, source.hf_config, self.device)
         # The KV cache may be stored narrower than the model computes (llama.cpp's default
         # is a float16 cache): half the memory and half the bytes each decode reads.
@@ -110,23 +122,28 @@ class Worker:
                                         source.hf_config.vocab_size)
         self.cuda_graphs = False
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return KVCacheSpec(
+    def worker_spec(self) -> WorkerSpec:
+        return WorkerSpec(
             block_size=self.args.block_size,
             block_bytes=bytes_per_block(self.num_layers, self.args.block_size, self.num_kv_heads,
                                         self.head_dim, self.kv_cache_dtype),
             sliding_window=self.sliding_window,
+            device=self.device,
+            dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
+            attention_backend=self.attention_backend,
         )
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
         """KV blocks this worker can hold: on CUDA what is left of gpu_memory_utilization
-        after weights and a profiled forward pass at the largest step; otherwise the
-        kv_cache_memory budget (CPU default 2 GiB)."""
-        block_bytes = self.kv_cache_spec().block_bytes
+        of its GPU after weights and a profiled forward pass at the largest step; otherwise
+        its share of the kv_cache_memory budget (CPU default 2 GiB), which counts the whole
+        cache: N ranks each hold 1/N of it (their heads' part of every block)."""
+        block_bytes = self.worker_spec().block_bytes
         if self.device.type == "cuda" and self.args.kv_cache_memory is None:
             return self._profile_cuda_blocks(block_bytes, max_num_batched_tokens, max_model_len)
         budget = self.args.kv_cache_memory or DEFAULT_CPU_KV_CACHE_MEMORY
-        return budget // block_bytes
+        return budget // self.world_size // block_bytes
 
     def _profile_cuda_blocks(self, block_bytes: int, max_batched: int, max_model_len: int) -> int:
         block_size = self.args.block_size
@@ -168,7 +185,11 @@ class Worker:
         # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
         # like them turned off by enforce_eager.
         if self.device.type == "cpu" and not self.args.enforce_eager:
-            logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
+            if self.world_size > 1:
+                # Its layers run in one C++ call, with no all-reduce between them.
+                logger.info("C++ decoder for pure-decode steps: off (tensor parallel)")
+            else:
+                logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
         # Decode steps replay CUDA graphs unless told not to, or the backend plans from
         # per-step host values a graph would freeze (the torch backend's length buckets).
         self.cuda_graphs = (self.device.type == "cuda" and not self.args.enforce_eager

@@ -1,0 +1,241 @@
+"""Tensor parallelism on one machine: one worker process per rank, torch.distributed between
+them (gloo on CPU, NCCL on CUDA), rendezvous on 127.0.0.1.
+
+    engine process                     rank 0 process          rank 1 process
+    --------------                     --------------          --------------
+    schedule() -> SchedulerOutput
+    pickle once, send to every rank -> update batch, forward   update batch, forward
+                                       (all-reduce per layer <-> all-reduce per layer)
+                                       sample (same logits,     sample (same tokens:
+                                       same counter noise)      no broadcast needed)
+    <- ModelRunnerOutput of rank 0     reply                    reply None
+
+Every rank applies the same SchedulerOutput to its own persistent batch, so nothing but
+the step's small message crosses the sockets. Every rank samples: the LM head gathers the
+full logits on each, and the sampler's noise depends only on (seed, step), so all ranks
+pick the same tokens and keep their batches in step without a broadcast.
+
+Ranks are fresh interpreters (`python -m pagedlm.executor.worker_proc`), so a user's
+script needs no `if __name__ == "__main__":` guard; each connects back over a loopback
+socket with a token only it was given.
+
+Faults: a rank that dies (killed, out of memory) closes its socket, which wakes the
+engine's wait at once; an exception in a rank is sent back with its traceback. Either
+way the executor kills every rank (a peer may be blocked in a collective) and the
+engine's step raises `WorkerError`. Ranks die with the engine process (PR_SET_PDEATHSIG,
+and a closed socket ends their loop).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+
+from pagedlm.config import EngineArgs
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.executor.base import Executor
+from pagedlm.worker.model_runner import ModelRunnerOutput
+from pagedlm.worker.worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+_STARTUP_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
+ENV_ADDRESS = "PAGEDLM_WORKER_ADDRESS"  # host:port of the engine's listening socket
+ENV_TOKEN = "PAGEDLM_WORKER_TOKEN"  # hex; the first thing a worker sends
+
+
+class WorkerError(RuntimeError):
+    """A worker process failed or died; the executor is unusable afterwards."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cores_for(rank: int, world_size: int) -> list[int] | None:
+    """This rank's share of the cores the engine may use, or None if there are fewer
+    cores than ranks (then nothing is pinned)."""
+    cores = sorted(os.sched_getaffinity(0))
+    per_rank = len(cores) // world_size
+    if per_rank < 1:
+        return None
+    return cores[rank * per_rank : (rank + 1) * per_rank]
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in procs:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection]) -> None:
+    """Ask every rank to stop, then kill those still running after a few seconds."""
+    for conn in conns:
+        try:
+            conn.send_bytes(pickle.dumps(("shutdown", ())))
+        except (OSError, ValueError):
+            pass
+    deadline = time.monotonic() + 5
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    _kill(procs)
+    for conn in conns:
+        conn.close()
+
+
+def _accept(listener: socket.socket, tokens: list[bytes], procs: list[subprocess.Popen],
+            timeout: float) -> tuple[int, Connection]:
+    """The next rank that connects, known by its token (a rank that exits first, or silence
+    past `timeout`, is an error)."""
+    deadline = time.monotonic() + timeout
+    listener.settimeout(0.5)
+    while True:
+        for rank, proc in enumerate(procs):
+            if proc.poll() is not None:
+                raise WorkerError(f"rank {rank} exited with code {proc.returncode} before "
+                                  "connecting to the engine")
+        if time.monotonic() > deadline:
+            raise WorkerError(f"the worker processes did not connect within {timeout:.0f} s")
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            continue
+        sock.setblocking(True)
+        conn = Connection(sock.detach())
+        if conn.poll(5):
+            token = conn.recv_bytes()
+            for rank, expected in enumerate(tokens):
+                if secrets.compare_digest(token, expected):
+                    return rank, conn
+        conn.close()  # not one of ours
+
+
+class MultiprocExecutor(Executor):
+    def __init__(self, args: EngineArgs) -> None:
+        self.world_size = args.tensor_parallel_size
+        # Each rank is told its own token: whoever connects with it is that rank.
+        tokens = [secrets.token_bytes(16) for _ in range(self.world_size)]
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(self.world_size)
+        host, port = listener.getsockname()
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "pagedlm.executor.worker_proc"],
+                             env=dict(os.environ, **{ENV_ADDRESS: f"{host}:{port}",
+                                                     ENV_TOKEN: token.hex()}),
+                             stdin=subprocess.DEVNULL)
+            for token in tokens
+        ]
+        self.conns: list[Connection] = []
+        self._finalizer = weakref.finalize(self, _stop, self.procs, self.conns)
+        self._failed: str | None = None
+        by_rank: dict[int, Connection] = {}
+        try:
+            while len(by_rank) < self.world_size:
+                rank, conn = _accept(listener, tokens, self.procs, _STARTUP_TIMEOUT_S)
+                by_rank[rank] = conn
+        except WorkerError as e:
+            self.conns.extend(by_rank.values())
+            self._fail(str(e))
+        finally:
+            listener.close()
+        self.conns.extend(by_rank[r] for r in range(self.world_size))
+        dist_port = _free_port()
+        for rank, conn in enumerate(self.conns):
+            conn.send_bytes(pickle.dumps(
+                (rank, self.world_size, dist_port, _cores_for(rank, self.world_size), args)))
+        self._gather(timeout=_STARTUP_TIMEOUT_S, what="start-up")
+        logger.info("tensor parallel: %d ranks, one worker process each (pids %s)",
+                    self.world_size, [p.pid for p in self.procs])
+
+    # ----- talking to the ranks ----------------------------------------------------------
+
+    def _call(self, method: str, *args):
+        """Run `method` on every rank; returns rank 0's result."""
+        if self._failed is not None:
+            raise WorkerError(f"the tensor-parallel workers stopped earlier: {self._failed}")
+        data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(data)
+        except (OSError, ValueError):
+            pass  # a dead rank: _gather reports which
+        return self._gather(timeout=None, what=method)[0]
+
+    def _gather(self, timeout: float | None, what: str) -> list:
+        """Each rank's reply. A rank that dies closes its socket, which wakes the wait at
+        once: the error names it and its exit code."""
+        results: list = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending:
+            conns = {self.conns[r]: r for r in pending}
+            ready = wait(list(conns), timeout)
+            if not ready:
+                self._fail(f"no answer from ranks {sorted(pending)} within {timeout:.0f} s ({what})")
+            for conn in ready:
+                rank = conns[conn]
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    proc = self.procs[rank]
+                    try:
+                        code = proc.wait(timeout=2)
+                    except subprocess.TimeoutExpired:
+                        code = None
+                    self._fail(f"rank {rank} (pid {proc.pid}) died during {what} "
+                               f"(exit code {code})")
+                if status == "invalid":
+                    message, trace = value
+                    logger.debug("rank %d refused its arguments:\n%s", rank, trace)
+                    self._fail(message, ValueError)
+                if status == "error":
+                    self._fail(f"rank {rank} failed in {what}:\n{value}")
+                results[rank] = value
+                pending.discard(rank)
+        return results
+
+    def _fail(self, message: str, error: type[Exception] = WorkerError):
+        self._failed = message
+        if error is WorkerError:
+            logger.error("tensor-parallel worker failure: %s", message)
+        _kill(self.procs)  # a peer may be blocked in a collective: no graceful stop
+        self.shutdown()
+        raise error(message)
+
+    # ----- Executor ----------------------------------------------------------------------
+
+    def worker_spec(self) -> WorkerSpec:
+        return self._call("worker_spec")
+
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        data = pickle.dumps(("determine_num_blocks", (max_num_batched_tokens, max_model_len)))
+        for conn in self.conns:
+            conn.send_bytes(data)
+        return min(self._gather(timeout=None, what="determine_num_blocks"))
+
+    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
+        self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", sched)
+
+    def shutdown(self) -> None:
+        self._finalizer()

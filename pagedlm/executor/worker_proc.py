@@ -1,0 +1,110 @@
+"""The process of one tensor-parallel rank: `python -m pagedlm.executor.worker_proc`.
+
+Started by `MultiprocExecutor` as a fresh interpreter (not multiprocessing's spawn, which
+would re-import the user's main script), it connects back to the engine over a loopback
+socket, proves it is the engine's child with the token it was given, receives its rank
+and the engine arguments, joins the torch.distributed group, builds its Worker and then
+runs the methods the engine sends until told to stop or the engine goes away.
+
+Messages, pickled: engine -> rank `(method, args)`; rank -> engine `("ok", result)`,
+`("invalid", (message, traceback))` for a ValueError at start-up (a bad argument, a
+dimension that does not divide), or `("error", traceback)`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import socket
+import sys
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import Connection
+
+from pagedlm.executor.multiproc import ENV_ADDRESS, ENV_TOKEN
+
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
+
+
+def connect(address: str, token: str) -> Connection:
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    conn = Connection(sock.detach())
+    conn.send_bytes(bytes.fromhex(token))
+    return conn
+
+
+def _die_with_parent() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the engine gone, the rank goes too
+    except OSError:
+        pass  # not Linux: the closed socket still ends the loop
+
+
+def serve(conn: Connection) -> None:
+    rank, world_size, port, cores, args = pickle.loads(conn.recv_bytes())
+    try:
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+        import torch
+        import torch.distributed as dist
+
+        from pagedlm.layers.parallel_state import set_tp_group
+        from pagedlm.loader.model_loader import resolve_model_source
+        from pagedlm.worker.worker import Worker, resolve_device
+
+        device = resolve_device(args.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(rank)
+        if args.num_threads is None:
+            torch.set_num_threads(len(cores) if cores is not None else 1)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+        set_tp_group(rank, world_size)
+        worker = Worker(args, resolve_model_source(args.model), rank=rank)
+        conn.send(("ok", None))
+    except ValueError as e:
+        conn.send(("invalid", (str(e), traceback.format_exc())))
+        return
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        try:
+            method, method_args = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            break  # the engine is gone
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(worker, method)(*method_args)
+            # Every rank computes the same step result; only rank 0's crosses back.
+            conn.send(("ok", result if rank == 0 or method != "execute_model" else None))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+            break
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def main() -> None:
+    _die_with_parent()
+    # Ctrl-C reaches the whole process group: the engine decides, and stops the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    conn = connect(os.environ[ENV_ADDRESS], os.environ[ENV_TOKEN])
+    try:
+        serve(conn)
+    finally:
+        conn.close()
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
