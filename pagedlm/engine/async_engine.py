@@ -133,6 +133,7 @@ class AsyncLLMEngine:
             return
         self._commands.put(_STOP)
         self._thread.join(timeout)
+        self.engine.shutdown()  # tensor-parallel ranks, if any
 
     def open_stream(self) -> RequestStream:
         if self._loop is None:
