@@ -95,3 +95,88 @@ def test_a_killed_rank_fails_the_step_fast_and_leaves_no_process(tiny_llama_dir)
     with pytest.raises(WorkerError):
         engine.step()
     assert _children() <= before
+
+
+# ----- every architecture ----------------------------------------------------------------
+
+V = 101  # an odd vocabulary: the last rank's embedding / LM head shard is padded
+_L = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+          initializer_range=0.08, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+          eos_token_id=2)
+_NEOX = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, max_position_embeddings=256, rotary_pct=0.25,
+             initializer_range=0.08, tie_word_embeddings=False)
+_FALCON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+               max_position_embeddings=256)
+ARCHITECTURES = {
+    "llama-biases": ("LlamaConfig", "LlamaForCausalLM", dict(_L, attention_bias=True, mlp_bias=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_L, head_dim=32)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_L, partial_rotary_factor=0.5)),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(_L, head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+               dict(_L, head_dim=16, query_pre_attn_scalar=16, sliding_window=8)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_L, num_local_experts=4,
+                                                           num_experts_per_tok=2)),
+    "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(_NEOX, use_parallel_residual=True)),
+    "bloom": ("BloomConfig", "BloomForCausalLM", dict(vocab_size=V, hidden_size=96, n_head=12,
+                                                      n_layer=2)),
+    "mpt": ("MptConfig", "MptForCausalLM", dict(vocab_size=V, d_model=96, n_heads=12, n_layers=2,
+                                                expansion_ratio=4, max_seq_len=256)),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(vocab_size=V, n_embd=64, n_head=4, n_layer=2,
+                                                   rotary_dim=8, n_positions=256)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=V, n_embd=64, n_head=4, n_layer=2,
+                                                   n_positions=256)),
+    "bigcode-mqa": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",
+                    dict(vocab_size=V, n_embd=64, n_head=4, n_layer=2, n_positions=256,
+                         multi_query=True)),
+    "opt-proj": ("OPTConfig", "OPTForCausalLM",
+                 dict(vocab_size=V, hidden_size=64, num_attention_heads=4, ffn_dim=128,
+                      num_hidden_layers=2, word_embed_proj_dim=32, max_position_embeddings=256,
+                      pad_token_id=0)),
+    "falcon-gqa": ("FalconConfig", "FalconForCausalLM",
+                   dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2, bias=True)),
+    "falcon-mqa": ("FalconConfig", "FalconForCausalLM",
+                   dict(_FALCON, multi_query=True, parallel_attn=True)),
+    "falcon-alibi": ("FalconConfig", "FalconForCausalLM",
+                     dict(_FALCON, alibi=True, multi_query=False, parallel_attn=False, bias=True)),
+}
+
+
+@pytest.fixture(scope="module")
+def arch_dirs(tmp_path_factory):
+    import torch
+    import transformers
+
+    paths = {}
+    for name, (config_cls, model_cls, kwargs) in ARCHITECTURES.items():
+        torch.manual_seed(0)
+        model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**kwargs)).eval()
+        with torch.no_grad():  # norms and biases away from 1 and 0, so sharding errors show
+            for pname, p in model.named_parameters():
+                if p.dim() == 1:
+                    (p.normal_(0.0, 0.05) if pname.endswith("bias") else p.uniform_(0.5, 1.5))
+        path = tmp_path_factory.mktemp(f"tp-{name}")
+        model.save_pretrained(path, safe_serialization=True)
+        paths[name] = str(path)
+    return paths
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_every_architecture_two_ranks_equal_one(arch_dirs, arch):
+    path = arch_dirs[arch]
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 12, 13], [40, 41, 42], list(range(60, 90))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    runs = []
+    for tp in (1, 2):
+        llm = LLM(path, skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22,
+                  tensor_parallel_size=tp, num_threads=1)
+        runs.append(llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                 use_tqdm=False))
+        llm.llm_engine.shutdown()
+    for one, two in zip(*runs):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids, arch
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            for t in a:
+                assert abs(a[t].logprob - b[t].logprob) < 1e-4, arch
