@@ -180,3 +180,29 @@ def test_every_architecture_two_ranks_equal_one(arch_dirs, arch):
         for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
             for t in a:
                 assert abs(a[t].logprob - b[t].logprob) < 1e-4, arch
+
+
+def test_shapes_that_would_shard_wrongly_are_refused(monkeypatch):
+    from pagedlm.layers import linear
+    from pagedlm.layers.parallel_state import TensorParallelGroup
+
+    monkeypatch.setattr(linear, "get_tp_group", lambda: TensorParallelGroup(0, 2))
+    with pytest.raises(ValueError, match="output size \\(5\\) is not divisible"):
+        linear.MergedColumnParallelLinear(8, [5, 5])  # 10 rows in all would divide
+    with pytest.raises(ValueError, match="num_key_value_heads \\(3\\) and the tensor-parallel"):
+        linear.QKVParallelLinear(64, 16, 6, 3)
+    assert linear.QKVParallelLinear(64, 16, 4, 1).num_kv_heads == 1  # replicated
+
+
+def test_q8_refuses_row_shards_not_aligned_to_quant_blocks(monkeypatch):
+    from torch import nn
+
+    from pagedlm.layers import linear, parallel_state, q8_weights
+    from pagedlm.layers.parallel_state import TensorParallelGroup
+
+    group = TensorParallelGroup(0, 2)
+    monkeypatch.setattr(linear, "get_tp_group", lambda: group)
+    monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    model = nn.Sequential(linear.RowParallelLinear(96, 32))  # 48 per rank; 96 = 3 * 32
+    with pytest.raises(ValueError, match="48 of its 96 input features per rank"):
+        q8_weights.pack_weights_q8(model)

@@ -91,6 +91,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
         self.output_sizes = output_sizes
+        for size in output_sizes:  # each part is split, not only their sum
+            _divide(size, get_tp_group().size, "output size")
         super().__init__(input_size, sum(output_sizes), bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -115,6 +117,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         tp_size = get_tp_group().size
         self.head_dim = head_dim
         self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads % tp_size and tp_size % num_kv_heads:
+            raise ValueError(
+                f"num_key_value_heads ({num_kv_heads}) and the tensor-parallel size ({tp_size}) "
+                "must divide one another (KV heads are split, or replicated when fewer)")
         self.num_kv_heads = max(1, num_kv_heads // tp_size)
         self.num_kv_head_replicas = max(1, tp_size // num_kv_heads)
         output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size

@@ -120,6 +120,26 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     return blocks
 
 
+def _check_tp_alignment(model) -> None:
+    """Under tensor parallelism a row-parallel layer sees 1/N of the input features; if that
+    share is not a multiple of 32 while the whole is, the shard would fall back to float32
+    and compute something else than one rank does (activations rounded per 32 values)."""
+    from pagedlm.layers.linear import RowParallelLinear
+    from pagedlm.layers.parallel_state import get_tp_group
+
+    tp = get_tp_group().size
+    if tp == 1:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, RowParallelLinear):
+            share = module.weight.shape[1]
+            if share % BLOCK and (share * tp) % BLOCK == 0:
+                raise ValueError(
+                    f"weight_dtype='q8' with tensor_parallel_size={tp}: {name} gets {share} of "
+                    f"its {share * tp} input features per rank, not a multiple of {BLOCK}; use "
+                    "another tensor-parallel size or weight_dtype='auto'")
+
+
 def pack_weights_q8(model) -> str:
     """Give every linear layer and the LM head of a float32 CPU model an integer matmul:
     weights that are exactly GGUF Q4_1 / Q8_0 blocks keep them, others are rounded to Q8_0;
@@ -132,6 +152,7 @@ def pack_weights_q8(model) -> str:
     kernels = q8_kernels()
     if kernels is None:
         raise ValueError("weight_dtype='q8' needs the C++ CPU kernels (a C++ compiler and ninja)")
+    _check_tp_alignment(model)
     counts = {"exact": 0, "rounded to Q8_0": 0, "float32": 0}
 
     def make_matmul(weight: torch.Tensor):
