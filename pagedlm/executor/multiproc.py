@@ -35,6 +35,7 @@ import secrets
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
@@ -42,6 +43,7 @@ from multiprocessing.connection import Connection, wait
 from pagedlm.config import EngineArgs
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.executor.base import Executor
+from pagedlm.layers.parallel_state import shm_segment_bytes
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import WorkerSpec
 
@@ -70,6 +72,16 @@ def _cores_for(rank: int, world_size: int) -> list[int] | None:
     if per_rank < 1:
         return None
     return cores[rank * per_rank : (rank + 1) * per_rank]
+
+
+def _shm_segment(world_size: int) -> str | None:
+    """A zeroed file in /dev/shm for the ranks' shared-memory all-reduce, or None."""
+    if not os.path.isdir("/dev/shm"):
+        return None
+    fd, path = tempfile.mkstemp(prefix="pagedlm-tp-", dir="/dev/shm")
+    os.ftruncate(fd, shm_segment_bytes(world_size))
+    os.close(fd)
+    return path
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
@@ -159,10 +171,15 @@ class MultiprocExecutor(Executor):
             listener.close()
         self.conns.extend(by_rank[r] for r in range(self.world_size))
         dist_port = _free_port()
-        for rank, conn in enumerate(self.conns):
-            conn.send_bytes(pickle.dumps(
-                (rank, self.world_size, dist_port, _cores_for(rank, self.world_size), args)))
-        self._gather(timeout=_STARTUP_TIMEOUT_S, what="start-up")
+        shm_path = _shm_segment(self.world_size) if args.device != "cuda" else None
+        try:
+            for rank, conn in enumerate(self.conns):
+                conn.send_bytes(pickle.dumps((rank, self.world_size, dist_port,
+                                              _cores_for(rank, self.world_size), shm_path, args)))
+            self._gather(timeout=_STARTUP_TIMEOUT_S, what="start-up")
+        finally:
+            if shm_path is not None:
+                os.unlink(shm_path)  # every rank has it mapped; nothing is left behind
         logger.info("tensor parallel: %d ranks, one worker process each (pids %s)",
                     self.world_size, [p.pid for p in self.procs])
 

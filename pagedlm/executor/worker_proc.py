@@ -14,6 +14,7 @@ dimension that does not divide), or `("error", traceback)`.
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import pickle
 import signal
@@ -44,29 +45,47 @@ def _die_with_parent() -> None:
         pass  # not Linux: the closed socket still ends the loop
 
 
-def serve(conn: Connection) -> None:
-    rank, world_size, port, cores, args = pickle.loads(conn.recv_bytes())
-    try:
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
-        import torch
-        import torch.distributed as dist
+def init_worker(args, rank: int, world_size: int, master_addr: str, port: int,
+                cores: list[int] | None, local_rank: int | None = None,
+                shm_path: str | None = None):
+    """Join the tensor-parallel group as `rank` and build this rank's Worker (the model's
+    shard, its KV cache geometry). Shared by worker processes and Ray actors. With
+    `shm_path` (ranks on one machine, CPU), float32 all-reduces go through that shared
+    segment instead of gloo."""
+    import torch
+    import torch.distributed as dist
 
-        from pagedlm.layers.parallel_state import set_tp_group
-        from pagedlm.loader.model_loader import resolve_model_source
-        from pagedlm.worker.worker import Worker, resolve_device
+    from pagedlm.layers.parallel_state import ShmAllReduce, set_shm_all_reduce, set_tp_group
+    from pagedlm.loader.model_loader import resolve_model_source
+    from pagedlm.worker.worker import Worker, resolve_device
 
-        device = resolve_device(args.device)
-        if device.type == "cuda":
-            torch.cuda.set_device(rank)
-        if args.num_threads is None:
-            torch.set_num_threads(len(cores) if cores is not None else 1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if cores is not None:
+        os.sched_setaffinity(0, cores)
+    device = resolve_device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(rank if local_rank is None else local_rank)
+    if args.num_threads is None:
+        torch.set_num_threads(len(cores) if cores is not None else 1)
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+    if master_addr == "127.0.0.1":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
-        set_tp_group(rank, world_size)
-        worker = Worker(args, resolve_model_source(args.model), rank=rank)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
+                            world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    set_tp_group(rank, world_size)
+    if shm_path is not None:
+        try:
+            set_shm_all_reduce(ShmAllReduce(shm_path, rank, world_size))
+        except RuntimeError as e:  # no compiler: gloo does it, slower
+            logging.getLogger(__name__).warning("all-reduce through gloo: %s", e)
+    return Worker(args, resolve_model_source(args.model), rank=rank,
+                  device_index=local_rank)
+
+
+def serve(conn: Connection) -> None:
+    rank, world_size, port, cores, shm_path, args = pickle.loads(conn.recv_bytes())
+    try:
+        worker = init_worker(args, rank, world_size, "127.0.0.1", port, cores,
+                             shm_path=shm_path)
         conn.send(("ok", None))
     except ValueError as e:
         conn.send(("invalid", (str(e), traceback.format_exc())))
@@ -88,10 +107,14 @@ def serve(conn: Connection) -> None:
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             break
-    try:
+    shutdown_group()
+
+
+def shutdown_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
         dist.destroy_process_group()
-    except Exception:
-        pass
 
 
 def main() -> None:

@@ -6,6 +6,14 @@ weights across ranks later changes this module, not the models.
 
 from dataclasses import dataclass
 
+import torch
+
+from pagedlm.csrc import load_extension
+
+# A float32 all-reduce is cut into rounds of at most this many elements (1 MiB per slot).
+SHM_CHUNK = 1 << 18
+SHM_TIMEOUT_MS = 60_000
+
 
 @dataclass(frozen=True)
 class TensorParallelGroup:
@@ -27,9 +35,47 @@ def set_tp_group(rank: int, size: int) -> None:
     _TP = TensorParallelGroup(rank, size)
 
 
+def shm_segment_bytes(world_size: int, chunk: int = SHM_CHUNK) -> int:
+    """Size of the shared segment csrc/shm_allreduce_cpu.cpp lays out (flags, two slot sets)."""
+    return world_size * 64 + 2 * world_size * chunk * 4
+
+
+class ShmAllReduce:
+    """Float32 sums over the ranks of one machine through a shared-memory file every rank
+    maps (csrc/shm_allreduce_cpu.cpp): a few microseconds where gloo over loopback takes
+    hundreds. Every rank must make the same sequence of calls, as collectives do."""
+
+    def __init__(self, path: str, rank: int, world_size: int, chunk: int = SHM_CHUNK,
+                 timeout_ms: int = SHM_TIMEOUT_MS) -> None:
+        self.kernels = load_extension("shm_allreduce_cpu")
+        if self.kernels is None:
+            raise RuntimeError("the shared-memory all-reduce kernel is unavailable")
+        self.segment = torch.from_file(path, shared=True, size=shm_segment_bytes(world_size, chunk),
+                                       dtype=torch.uint8)
+        self.rank, self.world_size, self.chunk = rank, world_size, chunk
+        self.timeout_ms = timeout_ms
+        self.round = 1
+
+    def __call__(self, x: torch.Tensor) -> None:
+        self.round = self.kernels.all_reduce(self.segment, self.rank, self.world_size, self.chunk,
+                                             self.round, x, self.timeout_ms)
+
+
+_SHM: ShmAllReduce | None = None
+
+
+def set_shm_all_reduce(comm: ShmAllReduce | None) -> None:
+    """Route float32 CPU all-reduces through `comm` (None: torch.distributed for all)."""
+    global _SHM
+    _SHM = comm
+
+
 def all_reduce(x):
     """Sum over the tensor-parallel group (identity for a group of one)."""
     if _TP.size == 1:
+        return x
+    if _SHM is not None and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous():
+        _SHM(x)
         return x
     import torch.distributed as dist
 
@@ -40,7 +86,6 @@ def all_reduce(x):
 def all_gather_last_dim(x):
     if _TP.size == 1:
         return x
-    import torch
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(_TP.size)]

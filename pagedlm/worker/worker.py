@@ -80,7 +80,8 @@ class Worker:
     """`rank` of `args.tensor_parallel_size` ranks; the tensor-parallel group (layers/
     parallel_state.py) and torch.distributed are set up by the executor before."""
 
-    def __init__(self, args: EngineArgs, source: ModelSource, rank: int = 0) -> None:
+    def __init__(self, args: EngineArgs, source: ModelSource, rank: int = 0,
+                 device_index: int | None = None) -> None:
         self.args = args
         self.rank = rank
         self.world_size = args.tensor_parallel_size
@@ -88,7 +89,8 @@ class Worker:
             torch.set_num_threads(args.num_threads)
         self.device = resolve_device(args.device)
         if self.device.type == "cuda" and self.world_size > 1:
-            self.device = torch.device("cuda", rank)
+            # One GPU per rank: the rank's own on one machine, the one Ray gave it on many.
+            self.device = torch.device("cuda", rank if device_index is None else device_index)
         self.dtype = resolve_dtype(args.dtype, source.hf_config, self.device)
         # The KV cache may be stored narrower than the model computes (llama.cpp's default
         # is a float16 cache): half the memory and half the bytes each decode reads.
