@@ -15,7 +15,7 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_DTYPES = ("auto", "float16", "q8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-EXECUTOR_BACKENDS = ("mp",)
+EXECUTOR_BACKENDS = ("mp", "ray")
 
 
 def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -56,7 +56,8 @@ class EngineArgs:
     # Ranks the model is split over (its heads, MLP and vocabulary), one worker process
     # each; 1 = everything in the engine's process.
     tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"  # worker processes on this machine
+    # mp: worker processes on this machine; ray: actors on the nodes of a Ray cluster
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)

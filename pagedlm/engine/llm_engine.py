@@ -81,9 +81,7 @@ class LLMEngine:
         if not args.skip_tokenizer_init:
             self.tokenizer = load_tokenizer_for(source, args.tokenizer)
 
-        self.model_executor: Executor = (
-            UniProcExecutor(args, source) if args.tensor_parallel_size == 1
-            else MultiprocExecutor(args))
+        self.model_executor = self._make_executor(args, source)
         spec = self.model_executor.worker_spec()
         self.device, self.dtype = spec.device, spec.dtype
         max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
@@ -127,6 +125,16 @@ class LLMEngine:
             args.weight_dtype if args.weight_dtype != "auto" else str(self.dtype).removeprefix("torch."),
             str(spec.kv_cache_dtype).removeprefix("torch."), self.load_time_s,
         )
+
+    @staticmethod
+    def _make_executor(args: EngineArgs, source) -> Executor:
+        if args.distributed_executor_backend == "ray":
+            from pagedlm.executor.ray_executor import RayExecutor  # Ray is an optional extra
+
+            return RayExecutor(args)
+        if args.tensor_parallel_size == 1:
+            return UniProcExecutor(args, source)
+        return MultiprocExecutor(args)
 
     def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
         """The context served: max_model_len if the cache can hold it, else the model's
