@@ -183,7 +183,8 @@ class Scheduler:
             self._add_to_output(out, request, num_new)
             budget -= num_new
         out.copy_blocks = self.kv.take_pending_copies()
-        out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+        if not out.is_empty:  # an empty step never reaches the workers: keep them for the next
+            out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:

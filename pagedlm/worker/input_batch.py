@@ -83,27 +83,43 @@ class InputBatch:
             for new in followers:
                 self.add(new)
         cached = sched.cached_reqs
-        for i, req_id in enumerate(cached.req_ids):
-            row = self.row_of[req_id]
-            tokens = cached.new_token_ids[i]
-            if tokens:
-                start = cached.token_offsets[i]
-                end = start + len(tokens)
-                self._fit_tokens(end)
-                self.token_ids[row, start:end] = tokens
-                self.token_ids[row, end : self.num_tokens[row]] = 0
-                self.num_tokens[row] = end
-            blocks = cached.new_block_ids[i]
+        if not len(cached):
+            return
+        row_of = self.row_of
+        rows = np.fromiter((row_of[r] for r in cached.req_ids), dtype=np.int64,
+                           count=len(cached))
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
+        # The common delta, one token (a decode's last sample, or a beam's replaced last
+        # token), is written for all requests at once; longer ones (a resumed fork) and
+        # block-table changes (one request in block_size per step) one request at a time.
+        num_new = np.fromiter(map(len, cached.new_token_ids), dtype=np.int64, count=len(cached))
+        ones = np.flatnonzero(num_new == 1)
+        if ones.size:
+            one_rows = rows[ones]
+            offsets = np.asarray(cached.token_offsets, dtype=np.int64)[ones]
+            self._fit_tokens(int(offsets.max()) + 1)
+            self.token_ids[one_rows, offsets] = [cached.new_token_ids[i][0] for i in ones.tolist()]
+            # Appending grows the row; replacing the last token leaves its length.
+            self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
+        for i in np.flatnonzero(num_new > 1).tolist():
+            row, tokens = int(rows[i]), cached.new_token_ids[i]
+            start = cached.token_offsets[i]
+            end = start + len(tokens)
+            self._fit_tokens(end)
+            self.token_ids[row, start:end] = tokens
+            self.token_ids[row, end : self.num_tokens[row]] = 0
+            self.num_tokens[row] = end
+        num_blocks = self.num_blocks
+        for i, blocks in enumerate(cached.new_block_ids):
+            if not blocks:  # tables never shrink: an unchanged one sends nothing
+                continue
             start = cached.block_offsets[i]
-            if blocks or start < self.num_blocks[row]:
-                end = start + len(blocks)
-                self._fit_blocks(end)
-                self.block_table[row, start:end] = blocks
-                self.block_table[row, end : self.num_blocks[row]] = 0
-                self.num_blocks[row] = end
-        if len(cached):
-            rows = [self.row_of[r] for r in cached.req_ids]
-            self.num_computed_tokens[rows] = cached.num_computed_tokens
+            row = int(rows[i])
+            end = start + len(blocks)
+            self._fit_blocks(end)
+            self.block_table[row, start:end] = blocks
+            self.block_table[row, end : num_blocks[row]] = 0
+            num_blocks[row] = end
 
     def add(self, new: NewRequestData) -> None:
         assert new.req_id not in self.row_of, new.req_id

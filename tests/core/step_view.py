@@ -59,6 +59,8 @@ def schedule(s: Scheduler) -> SchedulerOutput:
         views.append(ScheduledView(request, start, num_new, s.kv.get_block_ids(req_id),
                                    start + num_new == request.num_tokens, forks))
     out.scheduled = views
+    if out.is_empty:
+        return out  # the engine never sends an empty step to its workers
     mirror = _mirrors.setdefault(s, InputBatch(VOCAB, max_num_rows=2, max_num_tokens=4,
                                                max_num_blocks=2))
     mirror.update(out)
