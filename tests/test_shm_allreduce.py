@@ -1,6 +1,7 @@
-"""The shared-memory all-reduce (csrc/shm_allreduce_cpu.cpp) against gloo's, between real
-processes: the same sums (to float rounding), bit-identical on every rank, across chunk
-boundaries and many rounds; a rank that never arrives makes the others raise, not hang."""
+"""The shared-memory all-reduce and all-gather (csrc/shm_allreduce_cpu.cpp) against gloo's,
+between real processes: the same sums (to float rounding, bit-identical on every rank) and
+the same gathered bits, across chunk boundaries and many rounds of both kinds; a rank that
+never arrives makes the others raise, not hang."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def _rank_main(rank, world, port, path, out):
             x = torch.randn(shape, generator=g) * (rank + 1)
             ref = x.clone()
             dist.all_reduce(ref)
+            parts = [torch.empty_like(x) for _ in range(world)]
+            dist.all_gather(parts, x)
+            gathered = comm.gather(x)
+            assert all(torch.equal(a, b) for a, b in zip(gathered.unbind(0), parts))
             comm(x)
             results.append((x.numpy(), ref.numpy()))  # torch tensors would cross as fds
     out.put((rank, results))

@@ -1,7 +1,9 @@
-// All-reduce (sum) of float32 tensors between the tensor-parallel ranks of one machine,
+// All-reduce (sum) and all-gather of float32 tensors between the tensor-parallel ranks of one
+// machine,
 // through a shared-memory segment every rank maps: what gloo over loopback does in hundreds of
 // microseconds per call, this does in a few, which matters because a decoder layer makes two
-// calls per step on the critical path.
+// calls per step on the critical path. The all-gather (the LM head's vocabulary shards, once
+// per step) uses the same rounds, each rank then copying every slot out.
 //
 // Segment layout (one file under /dev/shm, zeroed at creation, mapped by every rank):
 //
@@ -107,6 +109,37 @@ int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t c
   return round;
 }
 
+// Gathers every rank's `x` (contiguous float32, the same numel on every rank) into
+// out[world, numel]: out[p] = rank p's x. Rounds as in all_reduce (copy in, publish, wait),
+// then each rank copies every slot out; returns the next round.
+int64_t all_gather(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
+                   int64_t round, torch::Tensor x, torch::Tensor out, int64_t timeout_ms) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
+              "x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() &&
+                  out.numel() == world * x.numel(),
+              "out must be a contiguous float32 tensor of world * x.numel() elements");
+  TORCH_CHECK(segment.scalar_type() == torch::kUInt8 && segment.is_contiguous() &&
+                  segment.numel() >= world * kFlagBytes + 2 * world * chunk * 4,
+              "segment too small for ", world, " ranks of ", chunk, " floats");
+  TORCH_CHECK(0 <= rank && rank < world, "rank out of range");
+  Segment seg{segment.data_ptr<uint8_t>(), world, chunk};
+  const float* data = x.data_ptr<float>();
+  float* result = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  pybind11::gil_scoped_release no_gil;
+  for (int64_t offset = 0; offset < n; offset += chunk, ++round) {
+    const int64_t len = std::min(chunk, n - offset);
+    std::memcpy(seg.slot(round, rank), data + offset, len * sizeof(float));
+    seg.flag(rank)->store(round, std::memory_order_release);
+    wait_for_round(seg, round, timeout_ms);
+    for (int64_t p = 0; p < world; ++p) {
+      std::memcpy(result + p * n + offset, seg.slot(round, p), len * sizeof(float));
+    }
+  }
+  return round;
+}
+
 int64_t segment_bytes(int64_t world, int64_t chunk) {
   return world * kFlagBytes + 2 * world * chunk * 4;
 }
@@ -115,5 +148,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("all_reduce", &all_reduce, "In-place sum of x over the ranks; returns the next round",
         py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("chunk"), py::arg("round"),
         py::arg("x"), py::arg("timeout_ms"));
+  m.def("all_gather", &all_gather, "out[p] = rank p's x; returns the next round",
+        py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("chunk"), py::arg("round"),
+        py::arg("x"), py::arg("out"), py::arg("timeout_ms"));
   m.def("segment_bytes", &segment_bytes, "Bytes of the segment for world ranks and chunk floats");
 }

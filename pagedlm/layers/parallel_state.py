@@ -57,8 +57,16 @@ class ShmAllReduce:
         self.round = 1
 
     def __call__(self, x: torch.Tensor) -> None:
+        """x summed over the ranks, in place."""
         self.round = self.kernels.all_reduce(self.segment, self.rank, self.world_size, self.chunk,
                                              self.round, x, self.timeout_ms)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[world_size, *x.shape]: every rank's x, in rank order."""
+        out = torch.empty((self.world_size, *x.shape), dtype=x.dtype)
+        self.round = self.kernels.all_gather(self.segment, self.rank, self.world_size, self.chunk,
+                                             self.round, x, out, self.timeout_ms)
+        return out
 
 
 _SHM: ShmAllReduce | None = None
@@ -84,8 +92,12 @@ def all_reduce(x):
 
 
 def all_gather_last_dim(x):
+    """Every rank's x side by side along the last dimension, in rank order."""
     if _TP.size == 1:
         return x
+    if _SHM is not None and x.dtype == torch.float32 and x.is_cpu and x.is_contiguous():
+        parts = _SHM.gather(x)  # [world, ..., d]
+        return torch.cat(parts.unbind(0), dim=-1)
     import torch.distributed as dist
 
     parts = [torch.empty_like(x) for _ in range(_TP.size)]

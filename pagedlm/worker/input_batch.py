@@ -25,6 +25,23 @@ from pagedlm.sample.sampler import SamplingBatch
 from pagedlm.sampling_params import SamplingParams
 
 _SEED_MODULUS = 1 << 63
+_STAGES = ("greedy", "top_k", "top_p", "min_p", "repetition", "penalties", "min_tokens",
+           "logprobs")
+
+
+def _stages_of(p: SamplingParams, vocab_size: int) -> list[str]:
+    """The optional sampling stages a request's parameters use."""
+    used = [name for name, on in (
+        ("greedy", p.is_greedy),
+        ("top_k", 0 < p.top_k < vocab_size),
+        ("top_p", p.top_p < 1.0),
+        ("min_p", p.min_p > 0.0),
+        ("repetition", p.repetition_penalty != 1.0),
+        ("penalties", p.frequency_penalty != 0.0 or p.presence_penalty != 0.0),
+        ("min_tokens", p.min_tokens > 0),
+        ("logprobs", p.logprobs is not None),
+    ) if on]
+    return used
 
 
 def _grow(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
@@ -65,6 +82,9 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.num_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
         self.num_prompt_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
+        # Rows that use each optional sampling stage: a stage no row uses is skipped without
+        # looking at the step's rows at all (most batches use none of them).
+        self._uses = dict.fromkeys(_STAGES, 0)
 
     @property
     def num_reqs(self) -> int:
@@ -142,6 +162,8 @@ class InputBatch:
 
         p = new.sampling_params
         self.params[row] = p
+        for stage in _stages_of(p, self.vocab_size):
+            self._uses[stage] += 1
         self.eos_token_ids[row] = tuple(new.eos_token_ids)
         self.greedy[row] = p.is_greedy
         self.temperature[row] = p.temperature
@@ -158,6 +180,8 @@ class InputBatch:
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id)
+        for stage in _stages_of(self.params[row], self.vocab_size):
+            self._uses[stage] -= 1
         self.req_ids[row] = None
         self.params[row] = None
         self.token_ids[row, : self.num_tokens[row]] = 0
@@ -196,8 +220,11 @@ class InputBatch:
         order of the logits rows), as `sampler.make_sampling_batch` builds them from
         per-request states; that function is the reference this one is tested against."""
         num_reqs = len(rows)
-        greedy = self.greedy[rows]
-        random_idx = np.flatnonzero(~greedy)
+        uses = self._uses
+        if uses["greedy"]:
+            random_idx = np.flatnonzero(~self.greedy[rows])
+        else:
+            random_idx = np.arange(num_reqs)
         all_greedy = random_idx.size == 0
         all_random = not all_greedy and random_idx.size == num_reqs
         num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
@@ -208,42 +235,46 @@ class InputBatch:
         temperature = seeds = steps = top_k = top_p = min_p = None
         max_top_k = 0
         if not all_greedy:
-            rand = rows[random_idx]
+            rand = rows if all_random else rows[random_idx]
             temperature = up(self.temperature[rand])
             seeds = up(self.seed[rand])
-            steps = up(num_output[random_idx])
-            ks = self.top_k[rand]
-            max_top_k = int(ks.max())
-            if max_top_k > 0:
-                top_k = up(ks)
-            ps = self.top_p[rand]
-            if (ps < 1.0).any():
-                top_p = up(ps)
-            mps = self.min_p[rand]
-            if (mps > 0.0).any():
-                min_p = up(mps)
+            steps = up(num_output if all_random else num_output[random_idx])
+            if uses["top_k"]:
+                ks = self.top_k[rand]
+                max_top_k = int(ks.max())
+                if max_top_k > 0:
+                    top_k = up(ks)
+            if uses["top_p"]:
+                ps = self.top_p[rand]
+                if (ps < 1.0).any():
+                    top_p = up(ps)
+            if uses["min_p"]:
+                mps = self.min_p[rand]
+                if (mps > 0.0).any():
+                    min_p = up(mps)
 
         repetition_penalty = seen_mask = None
-        rep = self.repetition_penalty[rows]
-        if (rep != 1.0).any():
+        rep = self.repetition_penalty[rows] if uses["repetition"] else None
+        if rep is not None and (rep != 1.0).any():
             repetition_penalty = up(rep)
             positions = np.arange(self.token_ids.shape[1])
             valid = (positions[None, :] < self.num_tokens[rows][:, None]) & (rep != 1.0)[:, None]
             seen_mask = self._token_mask(rows, valid, device, counts=False)
 
         frequency_penalty = presence_penalty = output_counts = None
-        freq, pres = self.frequency_penalty[rows], self.presence_penalty[rows]
-        uses = (freq != 0.0) | (pres != 0.0)
-        if uses.any():
+        if uses["penalties"]:
+            freq, pres = self.frequency_penalty[rows], self.presence_penalty[rows]
+            penalised = (freq != 0.0) | (pres != 0.0)
+        if uses["penalties"] and penalised.any():
             frequency_penalty, presence_penalty = up(freq), up(pres)
             positions = np.arange(self.token_ids.shape[1])
             valid = ((positions[None, :] >= self.num_prompt_tokens[rows][:, None])
-                     & (positions[None, :] < self.num_tokens[rows][:, None]) & uses[:, None])
+                     & (positions[None, :] < self.num_tokens[rows][:, None]) & penalised[:, None])
             output_counts = self._token_mask(rows, valid, device, counts=True)
 
         min_tokens_rows = min_tokens_ids = None
-        short = np.flatnonzero(num_output < self.min_tokens[rows])
-        if short.size:  # rare: a Python loop over those rows only
+        short = np.flatnonzero(num_output < self.min_tokens[rows]) if uses["min_tokens"] else ()
+        if len(short):  # rare: a Python loop over those rows only
             mt_rows: list[int] = []
             mt_ids: list[int] = []
             for i in short.tolist():
@@ -259,8 +290,10 @@ class InputBatch:
                 min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
                 min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
 
-        lps = self.num_logprobs[rows]
-        max_num_logprobs = int(lps.max()) if num_reqs and lps.max() >= 0 else None
+        max_num_logprobs = None
+        if uses["logprobs"] and num_reqs:
+            lps = self.num_logprobs[rows]
+            max_num_logprobs = int(lps.max()) if lps.max() >= 0 else None
 
         return SamplingBatch(
             num_reqs=num_reqs,
