@@ -63,6 +63,27 @@ def test_greedy_equals_hf(llm, hf_model):
                            context="SmolLM2")
 
 
+def test_three_ranks_equal_one(llm):
+    """Tensor parallelism on the real model: 9 heads and 3 KV heads split over 3 ranks give
+    the one-rank engine's tokens (which test_greedy_equals_hf checks against HF) and its
+    prompt logprobs."""
+    tokenizer = llm.get_tokenizer()
+    prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+    ids = [{"prompt_token_ids": tokenizer(p, add_special_tokens=False).input_ids} for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=1)
+    one = llm.generate(ids, params, use_tqdm=False)
+    three = LLM(kv_cache_memory=256 << 20, tensor_parallel_size=3, num_threads=1)
+    try:
+        outs = three.generate(ids, params, use_tqdm=False)
+    finally:
+        three.llm_engine.shutdown()
+    for a, b in zip(one, outs):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for t in x:
+                assert abs(x[t].logprob - y[t].logprob) < 1e-4
+
+
 def test_answers_capital_of_france(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]

@@ -6,14 +6,13 @@ them (gloo on CPU, NCCL on CUDA), rendezvous on 127.0.0.1.
     schedule() -> SchedulerOutput
     pickle once, send to every rank -> update batch, forward   update batch, forward
                                        (all-reduce per layer <-> all-reduce per layer)
-                                       sample (same logits,     sample (same tokens:
-                                       same counter noise)      no broadcast needed)
+                                       LM head, sample          LM head (its shard)
     <- ModelRunnerOutput of rank 0     reply                    reply None
 
 Every rank applies the same SchedulerOutput to its own persistent batch, so nothing but
-the step's small message crosses the sockets. Every rank samples: the LM head gathers the
-full logits on each, and the sampler's noise depends only on (seed, step), so all ranks
-pick the same tokens and keep their batches in step without a broadcast.
+the step's small message crosses the sockets. Only rank 0 samples: the others learn the
+sampled tokens from the next step's message, as every worker does (a worker never appends
+its own samples), so their batches stay in step without a broadcast.
 
 Ranks are fresh interpreters (`python -m pagedlm.executor.worker_proc`), so a user's
 script needs no `if __name__ == "__main__":` guard; each connects back over a loopback

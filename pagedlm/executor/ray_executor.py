@@ -6,8 +6,8 @@
 A placement group reserves one bundle per rank (CPUs, or a GPU) over the cluster's nodes,
 packed onto as few nodes as fit; each rank is an actor in its bundle. Rank 0's node
 hosts the torch.distributed rendezvous (gloo on CPU, NCCL on GPUs). Each step the engine
-puts the SchedulerOutput in Ray's object store once and every rank reads it; only rank
-0's result comes back (all ranks sample the same tokens, see executor/multiproc.py).
+puts the SchedulerOutput in Ray's object store once and every rank reads it; only rank 0
+samples and only its result comes back (see executor/multiproc.py).
 
 Faults: an actor that dies or raises makes `ray.get` raise; the executor then kills every
 rank's actor (a peer may be blocked in a collective), frees the placement group and

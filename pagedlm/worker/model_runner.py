@@ -56,7 +56,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, device: torch.device, block_size: int,
-                 vocab_size: int) -> None:
+                 vocab_size: int, is_driver: bool = True) -> None:
+        """`is_driver`: this runner's results are the step's. Other tensor-parallel ranks run
+        the same forward and LM head (their collectives must match) but sample nothing: the
+        scheduler sends every rank the sampled tokens with the next step."""
+        self.is_driver = is_driver
         self.model = model
         self.device = device
         self.block_size = block_size
@@ -209,6 +213,8 @@ class ModelRunner:
         if not inputs.sampled_req_ids:
             return out
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        if not self.is_driver:
+            return out
         batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
         result = self.sampler(logits, batch)
         token_ids = result.sampled_token_ids.tolist()
@@ -256,6 +262,8 @@ class ModelRunner:
         for req_id, first_pos, idx, targets in inputs.prompt_logprob_rows:
             num_top = int(batch.num_prompt_logprobs[batch.row_of[req_id]])
             logits = self.model.compute_logits(hidden[torch.from_numpy(idx).to(self.device)])
+            if not self.is_driver:
+                continue
             lp, rank, top_ids, top_lps = compute_logprobs(
                 logits, torch.from_numpy(targets).to(self.device), num_top
             )

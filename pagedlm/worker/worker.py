@@ -121,7 +121,7 @@ class Worker:
         # request are freed as it advances (Mistral; Gemma's local/global mix only masks).
         self.sliding_window = _uniform_sliding_window(attn_layers)
         self.model_runner = ModelRunner(self.model, self.device, args.block_size,
-                                        source.hf_config.vocab_size)
+                                        source.hf_config.vocab_size, is_driver=rank == 0)
         self.cuda_graphs = False
 
     def worker_spec(self) -> WorkerSpec:
