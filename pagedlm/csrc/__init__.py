@@ -56,3 +56,11 @@ def load_extension(stem: str) -> ModuleType | None:
         logger.warning("CPU kernels %s unavailable (%s: %s); using the torch path", stem,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def load_all_extensions() -> None:
+    """Build (or load) every kernel here now. Tensor-parallel ranks start several processes
+    at once: with the libraries built beforehand they only load them, and a rank killed
+    at start-up can never leave a half-finished build's lock behind for the others."""
+    for source in sorted(CSRC_DIR.glob("*.cpp")):
+        load_extension(source.stem)

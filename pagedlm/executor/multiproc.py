@@ -41,6 +41,7 @@ from multiprocessing.connection import Connection, wait
 
 from pagedlm.config import EngineArgs
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.csrc import load_all_extensions
 from pagedlm.executor.base import Executor
 from pagedlm.layers.parallel_state import shm_segment_bytes
 from pagedlm.worker.model_runner import ModelRunnerOutput
@@ -142,6 +143,8 @@ def _accept(listener: socket.socket, tokens: list[bytes], procs: list[subprocess
 class MultiprocExecutor(Executor):
     def __init__(self, args: EngineArgs) -> None:
         self.world_size = args.tensor_parallel_size
+        if args.device != "cuda":
+            load_all_extensions()  # built once here, not by every rank at the same time
         # Each rank is told its own token: whoever connects with it is that rank.
         tokens = [secrets.token_bytes(16) for _ in range(self.world_size)]
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
