@@ -108,6 +108,10 @@ class AsyncLLMEngine:
         return self.engine.max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
     def model_path(self) -> str:
         return str(self.engine.model_path)
 

@@ -58,7 +58,10 @@ def _server_survives(server):
     (COMPLETIONS, completion(suffix="tail"), "suffix"),
     (COMPLETIONS, completion(logit_bias={"1": 5}), "logit_bias"),
     (COMPLETIONS, completion(prompt=[]), "prompt"),
-    (COMPLETIONS, completion(prompt=[49152]), None),  # outside the vocabulary
+    # Found by the fuzzer: echo decoded the ids before anything checked them (a 500).
+    (COMPLETIONS, completion(prompt=[4294967296], echo=True), "prompt"),
+    (COMPLETIONS, completion(prompt=[[5, -1]], echo=True), "prompt"),
+    (COMPLETIONS, completion(prompt=[49152]), "prompt"),  # outside the vocabulary, named
     (COMPLETIONS, completion(unknown_field=1), "unknown_field"),
     (COMPLETIONS, completion(stream_options={"include_usage": True}), "stream_options"),
     (CHAT, chat(top_logprobs=21, logprobs=True), "top_logprobs"),

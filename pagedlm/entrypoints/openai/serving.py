@@ -118,6 +118,14 @@ class Serving:
             raise bad_request(f"the chat template rejected the messages: {e}",
                               param="messages") from e
 
+    def check_token_ids(self, token_ids: Sequence[int], param: str) -> None:
+        """Token ids outside the vocabulary are a 400, before anything decodes them."""
+        vocab = self.engine.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{param} contains token id {bad}, outside the vocabulary "
+                              f"[0, {vocab})", param=param)
+
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None,
                              prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
         """No silent truncation: a prompt that leaves no room, or prompt + max_tokens over

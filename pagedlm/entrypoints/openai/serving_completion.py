@@ -94,6 +94,7 @@ class CompletionServing:
             prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
         prompts = await self._prompts(req.prompt)
         for _, token_ids in prompts:
+            s.check_token_ids(token_ids, "prompt")
             s.check_context_length(len(token_ids), req.max_tokens, "prompt")
         if echo:
             prompts = [(text if text is not None else await s.detokenize(ids), ids)
