@@ -19,7 +19,7 @@ from pagedlm import LLM, SamplingParams
 from pagedlm.core.sched_output import NewRequestData
 from pagedlm.sample.sampler import SamplingRequestState, make_sampling_batch
 from pagedlm.worker.input_batch import InputBatch
-from tests.core.step_view import check_mirror
+from tests.core.step_view import attach_views, check_mirror
 
 VOCAB = 50
 CPU = torch.device("cpu")
@@ -148,7 +148,7 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
 
     def checked(sched):
         inputs = prepare(sched)
-        check_mirror(engine.scheduler, runner.input_batch, _with_views(engine, sched))
+        check_mirror(engine.scheduler, runner.input_batch, attach_views(engine.scheduler, sched))
         ref = _reference_inputs(engine, sched)
         meta = inputs.meta
         assert inputs.input_ids.tolist() == ref["input_ids"]
@@ -186,16 +186,3 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     engine.scheduler.check_invariants()
     return engine.get_stats(), num_steps[0]
 
-
-def _with_views(engine, sched):
-    """check_mirror compares num_computed_tokens through `sched.scheduled` views."""
-    from tests.core.step_view import ScheduledView
-
-    s = engine.scheduler
-    computed = {n.req_id: n.num_computed_tokens for n in sched.new_reqs}
-    computed.update(zip(sched.cached_reqs.req_ids, sched.cached_reqs.num_computed_tokens))
-    sched.scheduled = [
-        ScheduledView(s.requests[rid], computed[rid], n, s.kv.get_block_ids(rid), False)
-        for rid, n in sched.num_scheduled_tokens.items()
-    ]
-    return sched

@@ -77,19 +77,23 @@ void wait_for_round(const Segment& seg, int64_t round, int64_t timeout_ms) {
   }
 }
 
+Segment checked_segment(const torch::Tensor& segment, int64_t rank, int64_t world,
+                        int64_t chunk, const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
+              "x must be a contiguous float32 CPU tensor");
+  TORCH_CHECK(segment.scalar_type() == torch::kUInt8 && segment.is_contiguous() &&
+                  segment.numel() >= world * kFlagBytes + 2 * world * chunk * 4,
+              "segment too small for ", world, " ranks of ", chunk, " floats");
+  TORCH_CHECK(0 <= rank && rank < world, "rank out of range");
+  return Segment{segment.data_ptr<uint8_t>(), world, chunk};
+}
+
 }  // namespace
 
 // Sums `x` (contiguous float32, any shape) over the ranks in place; returns the next round.
 int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
                    int64_t round, torch::Tensor x, int64_t timeout_ms) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
-              "x must be a contiguous float32 CPU tensor");
-  TORCH_CHECK(segment.scalar_type() == torch::kUInt8 && segment.is_contiguous(),
-              "segment must be a contiguous uint8 tensor");
-  TORCH_CHECK(segment.numel() >= world * kFlagBytes + 2 * world * chunk * 4,
-              "segment too small for ", world, " ranks of ", chunk, " floats");
-  TORCH_CHECK(0 <= rank && rank < world, "rank out of range");
-  Segment seg{segment.data_ptr<uint8_t>(), world, chunk};
+  Segment seg = checked_segment(segment, rank, world, chunk, x);
   float* data = x.data_ptr<float>();
   const int64_t n = x.numel();
   pybind11::gil_scoped_release no_gil;
@@ -114,16 +118,10 @@ int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t c
 // then each rank copies every slot out; returns the next round.
 int64_t all_gather(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
                    int64_t round, torch::Tensor x, torch::Tensor out, int64_t timeout_ms) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
-              "x must be a contiguous float32 CPU tensor");
   TORCH_CHECK(out.scalar_type() == torch::kFloat32 && out.is_contiguous() &&
                   out.numel() == world * x.numel(),
               "out must be a contiguous float32 tensor of world * x.numel() elements");
-  TORCH_CHECK(segment.scalar_type() == torch::kUInt8 && segment.is_contiguous() &&
-                  segment.numel() >= world * kFlagBytes + 2 * world * chunk * 4,
-              "segment too small for ", world, " ranks of ", chunk, " floats");
-  TORCH_CHECK(0 <= rank && rank < world, "rank out of range");
-  Segment seg{segment.data_ptr<uint8_t>(), world, chunk};
+  Segment seg = checked_segment(segment, rank, world, chunk, x);
   const float* data = x.data_ptr<float>();
   float* result = out.data_ptr<float>();
   const int64_t n = x.numel();

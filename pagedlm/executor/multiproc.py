@@ -187,8 +187,8 @@ class MultiprocExecutor(Executor):
 
     # ----- talking to the ranks ----------------------------------------------------------
 
-    def _call(self, method: str, *args):
-        """Run `method` on every rank; returns rank 0's result."""
+    def _call(self, method: str, *args) -> list:
+        """Run `method` on every rank; returns each rank's result."""
         if self._failed is not None:
             raise WorkerError(f"the tensor-parallel workers stopped earlier: {self._failed}")
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -197,7 +197,7 @@ class MultiprocExecutor(Executor):
                 conn.send_bytes(data)
         except (OSError, ValueError):
             pass  # a dead rank: _gather reports which
-        return self._gather(timeout=None, what=method)[0]
+        return self._gather(timeout=None, what=method)
 
     def _gather(self, timeout: float | None, what: str) -> list:
         """Each rank's reply. A rank that dies closes its socket, which wakes the wait at
@@ -242,19 +242,16 @@ class MultiprocExecutor(Executor):
     # ----- Executor ----------------------------------------------------------------------
 
     def worker_spec(self) -> WorkerSpec:
-        return self._call("worker_spec")
+        return self._call("worker_spec")[0]
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        data = pickle.dumps(("determine_num_blocks", (max_num_batched_tokens, max_model_len)))
-        for conn in self.conns:
-            conn.send_bytes(data)
-        return min(self._gather(timeout=None, what="determine_num_blocks"))
+        return min(self._call("determine_num_blocks", max_num_batched_tokens, max_model_len))
 
     def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
         self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", sched)
+        return self._call("execute_model", sched)[0]
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -146,24 +146,22 @@ class RayExecutor(Executor):
         self.shutdown()
         raise error(message)
 
-    def _call(self, method: str, *args):
-        refs = [actor.call.remote(method, *args) for actor in self.actors]
-        return self._get(refs, method)[0]
+    def _call(self, method: str, *args) -> list:
+        """Run `method` on every rank; returns each rank's result."""
+        return self._get([actor.call.remote(method, *args) for actor in self.actors], method)
 
     def worker_spec(self) -> WorkerSpec:
-        return self._call("worker_spec")
+        return self._call("worker_spec")[0]
 
     def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        refs = [actor.call.remote("determine_num_blocks", max_num_batched_tokens, max_model_len)
-                for actor in self.actors]
-        return min(self._get(refs, "determine_num_blocks"))
+        return min(self._call("determine_num_blocks", max_num_batched_tokens, max_model_len))
 
     def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
         self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         ref = self._ray.put(sched)  # serialised once, read by every rank
-        return self._call("execute_model", ref)
+        return self._call("execute_model", ref)[0]
 
     def shutdown(self) -> None:
         ray = self._ray

@@ -218,22 +218,25 @@ class SamplingBatch:
     max_num_logprobs: int | None
 
 
+def scatter_token_mask(idx: torch.Tensor, vocab_size: int, counts: bool) -> torch.Tensor:
+    """[num_rows, vocab_size] counts (int32) or presence (bool) of the ids in each row of
+    `idx` [num_rows, width]; entries equal to `vocab_size` are padding, scattered into one
+    extra column that is then dropped, so ragged rows need no loop on the device."""
+    out = torch.zeros(idx.shape[0], vocab_size + 1, dtype=torch.int32, device=idx.device)
+    out.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))  # [num_rows, vocab+1]
+    out = out[:, :vocab_size]
+    return out if counts else out > 0
+
+
 def _token_mask(
     rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device, counts: bool
 ) -> torch.Tensor:
-    """[len(rows), vocab_size] counts (int32) or presence (bool) of each row's tokens.
-
-    Rows are padded with `vocab_size`, scattered into one extra column that is
-    then dropped, so ragged rows need no Python loop over tokens on the device.
-    """
+    """[len(rows), vocab_size] counts (int32) or presence (bool) of each row's tokens."""
     num_rows = len(rows)
     width = max((len(r) for r in rows), default=0)
     padded = [list(r) + [vocab_size] * (width - len(r)) for r in rows]
     idx = torch.tensor(padded, dtype=torch.int64, device=device).view(num_rows, width)
-    out = torch.zeros(num_rows, vocab_size + 1, dtype=torch.int32, device=device)
-    out.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))  # [num_rows, vocab+1]
-    out = out[:, :vocab_size]
-    return out if counts else out > 0
+    return scatter_token_mask(idx, vocab_size, counts)
 
 
 def make_sampling_batch(

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
-from pagedlm.sample.sampler import SamplingBatch
+from pagedlm.sample.sampler import SamplingBatch, scatter_token_mask
 from pagedlm.sampling_params import SamplingParams
 
 _SEED_MODULUS = 1 << 63
@@ -52,6 +52,16 @@ def _grow(a: np.ndarray, rows: int, cols: int | None = None) -> np.ndarray:
     else:
         out[: a.shape[0], : a.shape[1]] = a
     return out
+
+
+def _widen(a: np.ndarray, num_cols: int) -> np.ndarray:
+    """`a` itself if it has `num_cols` columns, else a copy with twice as many (or more)."""
+    width = a.shape[1]
+    if num_cols <= width:
+        return a
+    while width < num_cols:
+        width *= 2
+    return _grow(a, a.shape[0], width)
 
 
 class InputBatch:
@@ -200,18 +210,10 @@ class InputBatch:
         self._free_rows = list(range(num_rows - 1, old - 1, -1)) + self._free_rows
 
     def _fit_tokens(self, num_tokens: int) -> None:
-        width = self.token_ids.shape[1]
-        if num_tokens > width:
-            while width < num_tokens:
-                width *= 2
-            self.token_ids = _grow(self.token_ids, self.token_ids.shape[0], width)
+        self.token_ids = _widen(self.token_ids, num_tokens)
 
     def _fit_blocks(self, num_blocks: int) -> None:
-        width = self.block_table.shape[1]
-        if num_blocks > width:
-            while width < num_blocks:
-                width *= 2
-            self.block_table = _grow(self.block_table, self.block_table.shape[0], width)
+        self.block_table = _widen(self.block_table, num_blocks)
 
     # ----- what a step reads -----------------------------------------------------------------
 
@@ -322,11 +324,8 @@ class InputBatch:
     def _token_mask(self, rows: np.ndarray, valid: np.ndarray, device: torch.device,
                     counts: bool) -> torch.Tensor:
         """[len(rows), vocab] counts (int32) or presence (bool) of the tokens of each row
-        where `valid`; the others are scattered into an extra column that is dropped."""
+        where `valid`."""
         width = int(self.num_tokens[rows].max(initial=0))
         ids = np.where(valid[:, :width], self.token_ids[rows, :width], self.vocab_size)
-        idx = torch.from_numpy(np.ascontiguousarray(ids)).to(device)  # [num_rows, width]
-        out = torch.zeros(len(rows), self.vocab_size + 1, dtype=torch.int32, device=device)
-        out.scatter_add_(1, idx, torch.ones_like(idx, dtype=torch.int32))
-        out = out[:, : self.vocab_size]
-        return out if counts else out > 0
+        return scatter_token_mask(torch.from_numpy(np.ascontiguousarray(ids)).to(device),
+                                  self.vocab_size, counts)

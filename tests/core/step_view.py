@@ -49,6 +49,18 @@ def schedule(s: Scheduler) -> SchedulerOutput:
     """`s.schedule()`, with `out.scheduled` set, applied to the scheduler's mirror batch and
     checked against a fresh one."""
     out = s.schedule()
+    attach_views(s, out)
+    if out.is_empty:
+        return out  # the engine never sends an empty step to its workers
+    mirror = _mirrors.setdefault(s, InputBatch(VOCAB, max_num_rows=2, max_num_tokens=4,
+                                               max_num_blocks=2))
+    mirror.update(out)
+    check_mirror(s, mirror, out)
+    return out
+
+
+def attach_views(s: Scheduler, out: SchedulerOutput) -> SchedulerOutput:
+    """Set `out.scheduled` from the scheduler's state (call before update_from_output)."""
     computed = {n.req_id: n.num_computed_tokens for n in out.new_reqs}
     computed.update(zip(out.cached_reqs.req_ids, out.cached_reqs.num_computed_tokens))
     views = []
@@ -59,12 +71,6 @@ def schedule(s: Scheduler) -> SchedulerOutput:
         views.append(ScheduledView(request, start, num_new, s.kv.get_block_ids(req_id),
                                    start + num_new == request.num_tokens, forks))
     out.scheduled = views
-    if out.is_empty:
-        return out  # the engine never sends an empty step to its workers
-    mirror = _mirrors.setdefault(s, InputBatch(VOCAB, max_num_rows=2, max_num_tokens=4,
-                                               max_num_blocks=2))
-    mirror.update(out)
-    check_mirror(s, mirror, out)
     return out
 
 
