@@ -36,7 +36,7 @@ def main() -> int:
     for name in names:
         stem, module_name, loader, test_file, select = KERNELS[name]
         module = load(name=f"isa_{stem}_{march.replace('-', '_')}", sources=[str(CSRC_DIR / f"{stem}.cpp")],
-                      extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=LDFLAGS)
+                      extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=list(LDFLAGS))
         # The test files import the loaders' callers, which look the loader up at call time.
         setattr(importlib.import_module(module_name), loader, lambda module=module: module)
         print(f"== {name}: {stem}.cpp built with -march={march}", flush=True)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pagedlm import LLM, BeamSearchParams, SamplingParams
-from pagedlm.engine.llm_engine import derive_seed
+from pagedlm.engine.frontend import derive_seed
 
 SYSTEM = list(range(200, 222))  # 22 tokens: 5 full blocks of 4, then 2 tokens
 USERS = [[7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17], [18, 19, 20, 21, 22, 23, 24],

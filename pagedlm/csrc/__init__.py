@@ -48,8 +48,10 @@ def load_extension(stem: str) -> ModuleType | None:
         return load(
             name=f"pagedlm_{stem}_{_cpu_tag()}",
             sources=[str(source)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=LDFLAGS,
+            # Copies: torch appends its own flags to the lists it is given, and the grown
+            # lists would change the next kernel's build file, relinking it for nothing.
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a read-only cache, ...

@@ -1,19 +1,22 @@
-"""The engine behind the API server: one thread steps the LLMEngine, asyncio talks to it.
+"""The engine behind the API server: a frontend on the event loop, the core elsewhere.
 
-    asyncio (event loop thread)                      engine thread
-    ---------------------------                      -------------
-    await stream.add(...)   -- _Add ------> commands --> engine.add_request()
-                            <-- ack (call_soon_threadsafe) --'
-    stream.close()          -- _Abort ----> commands --> engine.abort_request()  (blocks freed)
-    async for out in stream <-- _deliver(batch) <------- engine.step() -> RequestOutputs
+    event loop (this process)                          core (its own process, or a thread)
+    -------------------------                          ------------------------------------
+    await stream.add(...)  validate, register -- Add ----> core.add_request()
+                           <------------------- ack ------'
+    stream.close()         abort output       -- Abort --> core.abort_requests() (blocks freed)
+    async for out in stream  <- frontend.process(message) <-- one message per core step
+                             stop string matched -- Finish --> core.finish_sequences()
 
-`LLMEngine` is not thread-safe, so only the engine thread ever calls it. It blocks on
-the command queue while there is no work and otherwise drains the queue between
-steps: a command waits at most one step. The event loop never waits on the engine, so
-`/health` answers while a long prefill runs (torch releases the GIL in its kernels).
+`AsyncLLMEngine.from_engine_args(args)` puts the core in a process of its own (what
+`pagedlm serve` runs): HTTP, JSON, tokenisation, detokenisation and stop strings never
+take the GIL from the model step. `AsyncLLMEngine(llm_engine)` steps an existing
+LLMEngine's core on a thread of this process instead.
 
-Outputs are DELTA outputs (only what is new since the last one). The engine thread
-publishes a snapshot of `EngineStats` after every step for the metrics endpoint.
+Every frontend structure is touched by the event loop thread only: messages from the core
+arrive on a receiver thread and are handed over with `call_soon_threadsafe`. The event
+loop never waits on the core, so `/health` answers during a long prefill. Outputs are
+DELTA outputs (only what is new since the last one).
 """
 
 from __future__ import annotations
@@ -21,13 +24,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.config import EngineArgs
+from pagedlm.engine.core_client import (
+    AbortCommand,
+    AddCommand,
+    CoreMessage,
+    FinishCommand,
+    ProcessCoreClient,
+    ThreadCoreClient,
+)
+from pagedlm.engine.frontend import EngineFrontend
+from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
 from pagedlm.outputs import RequestOutput
@@ -43,34 +53,14 @@ class QueueFullError(RuntimeError):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an unexpected error; no request can be served."""
-
-
-@dataclass
-class _Add:
-    stream: RequestStream
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    arrival_time: float
-    ack: asyncio.Future
-
-
-@dataclass
-class _Abort:
-    request_ids: list[str]
-
-
-_STOP = object()
-_STATS_PERIOD_S = 0.2
+    """The engine core stopped on an unexpected error; no request can be served."""
 
 
 class AsyncLLMEngine:
-    """Runs an `LLMEngine` on its own thread and serves it to asyncio code.
+    """Serves an engine core to asyncio code.
 
     Usage (inside a running event loop):
-        engine = AsyncLLMEngine(LLMEngine(args)); engine.start()
+        engine = AsyncLLMEngine.from_engine_args(args); engine.start()
         stream = engine.open_stream()
         try:
             await stream.add("req-1", prompt, prompt_token_ids, params)
@@ -80,44 +70,66 @@ class AsyncLLMEngine:
             stream.close()                # aborts whatever has not finished
     """
 
-    def __init__(self, engine: LLMEngine, max_num_queued_requests: int | None = None) -> None:
+    def __init__(self, engine: LLMEngine | None = None,
+                 max_num_queued_requests: int | None = None, *,
+                 _client: ProcessCoreClient | None = None,
+                 _frontend: EngineFrontend | None = None, _model_path: str = "") -> None:
         if max_num_queued_requests is not None and max_num_queued_requests < 1:
             raise ValueError(
                 f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
-        self.engine = engine
+        if engine is not None:
+            self.client: ThreadCoreClient | ProcessCoreClient = ThreadCoreClient(
+                engine.core, max_num_queued_requests)
+            self.frontend = engine.frontend
+            self.model_path = str(engine.model_path)
+        else:
+            assert _client is not None and _frontend is not None
+            self.client, self.frontend, self.model_path = _client, _frontend, _model_path
         self.max_num_queued_requests = max_num_queued_requests
-        # SimpleQueue.put is reentrant: RequestStream.__del__ may call it from a GC pass.
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._streams: dict[str, RequestStream] = {}
+        self._acks: dict[str, asyncio.Future] = {}
         self._listeners: list[OutputListener] = []
+        self._dead_listeners: list[Callable[[], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        # Replaced (never mutated) by the engine thread; reading it is atomic.
-        self.stats: EngineStats = engine.get_stats()
-        self._stats_time = time.monotonic()
-        self.dead_error: BaseException | None = None
+        self._started = False
+        self.stats: EngineStats = self.client.initial_stats
+        self.dead_error: EngineDeadError | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs,
+                         max_num_queued_requests: int | None = None) -> AsyncLLMEngine:
+        """Start the core in its own process (it loads the model while this process loads
+        the tokenizer) and build the frontend for it."""
+        if max_num_queued_requests is not None and max_num_queued_requests < 1:
+            raise ValueError(
+                f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
+        source, tokenizer, eos_ids = load_frontend_parts(args)
+        client = ProcessCoreClient(args, eos_ids, max_num_queued_requests)
+        frontend = EngineFrontend(tokenizer, client.info, args.seed)
+        return cls(None, max_num_queued_requests, _client=client, _frontend=frontend,
+                   _model_path=str(source.path))
 
     # ----- facts about the model, constant after construction ------------------------------
 
     @property
     def tokenizer(self):
-        return self.engine.tokenizer
+        return self.frontend.tokenizer
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.frontend.info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self.frontend.info.vocab_size
 
     @property
-    def model_path(self) -> str:
-        return str(self.engine.model_path)
+    def device(self) -> str:
+        return self.frontend.info.device
 
     @property
     def is_healthy(self) -> bool:
-        return self.dead_error is None and self._thread is not None and self._thread.is_alive()
+        return self.dead_error is None and self._started and self.client.is_alive()
 
     # ----- lifecycle ---------------------------------------------------------------------------
 
@@ -126,104 +138,25 @@ class AsyncLLMEngine:
         (metrics use it). Must not raise."""
         self._listeners.append(listener)
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        assert self._thread is None, "the engine thread is already running"
-        self._loop = loop or asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="pagedlm-engine", daemon=True)
-        self._thread.start()
+    def add_dead_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` on the event loop once, if the core dies."""
+        self._dead_listeners.append(listener)
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        if self._thread is None:
-            return
-        self._commands.put(_STOP)
-        self._thread.join(timeout)
-        self.engine.shutdown()  # tensor-parallel ranks, if any
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        assert not self._started, "the engine is already running"
+        self._loop = loop or asyncio.get_running_loop()
+        self._started = True
+        self.client.start(self._on_message_threadsafe)
+
+    def shutdown(self) -> None:
+        self.client.shutdown()
 
     def open_stream(self) -> RequestStream:
         if self._loop is None:
             raise RuntimeError("AsyncLLMEngine.start() has not been called")
         return RequestStream(self)
 
-    def _submit(self, command: object) -> None:
-        self._commands.put(command)
-
-    # ----- the engine thread -------------------------------------------------------------------
-
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while True:
-                commands = [] if engine.has_unfinished_requests() else [self._commands.get()]
-                while True:
-                    try:
-                        commands.append(self._commands.get_nowait())
-                    except queue.Empty:
-                        break
-                published: list[RequestOutput] = []
-                for command in commands:
-                    if command is _STOP:
-                        return
-                    self._apply(command, published)
-                if engine.has_unfinished_requests():
-                    published.extend(engine.step())
-                # The snapshot walks every running request's block table: refresh it on a
-                # metrics-scrape time scale while busy, not after every step.
-                now = time.monotonic()
-                if not engine.has_unfinished_requests() or now - self._stats_time >= _STATS_PERIOD_S:
-                    self.stats = engine.get_stats()
-                    self._stats_time = now
-                if published:
-                    self._publish(published)
-        except BaseException as e:
-            logger.exception("the engine thread stopped on an error")
-            self.dead_error = e
-            dead = EngineDeadError(f"the engine stopped: {type(e).__name__}: {e}")
-            self._call_soon(self._fail_all, list(self._streams.values()), dead)
-            # Adds that were queued behind the failure would otherwise wait forever.
-            while True:
-                try:
-                    command = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(command, _Add):
-                    self._call_soon(_resolve_ack, command.ack, dead)
-
-    def _apply(self, command: object, published: list[RequestOutput]) -> None:
-        engine = self.engine
-        if isinstance(command, _Abort):
-            published.extend(engine.abort_request(command.request_ids))
-            return
-        assert isinstance(command, _Add)
-        error: BaseException | None = None
-        limit = self.max_num_queued_requests
-        if limit is not None and engine.scheduler.num_waiting >= limit:
-            error = QueueFullError(
-                f"the server is busy: {engine.scheduler.num_waiting} requests are waiting "
-                f"(--max-num-queued-requests {limit}); retry later")
-        else:
-            try:
-                engine.add_request(command.request_id, command.prompt, command.params,
-                                   prompt_token_ids=command.prompt_token_ids,
-                                   output_kind=RequestOutputKind.DELTA,
-                                   arrival_time=command.arrival_time)
-                self._streams[command.request_id] = command.stream
-            except ValueError as e:
-                error = e
-            except Exception as e:  # a bug, not bad input: fail this request, keep serving
-                logger.exception("add_request(%s) failed", command.request_id)
-                error = e
-        self._call_soon(_resolve_ack, command.ack, error)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        batch = []
-        for output in outputs:
-            # The engine keeps mutating its RequestMetrics; hand over a frozen copy.
-            if output.metrics is not None:
-                output.metrics = dataclasses.replace(output.metrics)
-            stream = (self._streams.pop(output.request_id, None) if output.finished
-                      else self._streams.get(output.request_id))
-            batch.append((stream, output))
-        self._call_soon(self._deliver, batch)
+    # ----- the event loop side -----------------------------------------------------------------
 
     def _call_soon(self, fn: Callable, *args: object) -> None:
         assert self._loop is not None
@@ -232,29 +165,81 @@ class AsyncLLMEngine:
         except RuntimeError:  # the loop closed during shutdown: nobody is listening
             pass
 
-    # ----- the event loop side -----------------------------------------------------------------
+    def _on_message_threadsafe(self, message: CoreMessage) -> None:
+        self._call_soon(self._on_message, message)
 
-    def _deliver(self, batch: list[tuple[RequestStream | None, RequestOutput]]) -> None:
-        for stream, output in batch:
+    def _on_message(self, message: CoreMessage) -> None:
+        frontend = self.frontend
+        for ack in message.acks:
+            future = self._acks.pop(ack.request_id, None)
+            if ack.error_kind is not None:
+                frontend.forget(ack.request_id)
+                self._streams.pop(ack.request_id, None)
+            if future is None or future.done():  # the caller was cancelled while waiting
+                continue
+            if ack.error_kind is None:
+                future.set_result(None)
+            elif ack.error_kind == "invalid":
+                future.set_exception(ValueError(ack.message))
+            elif ack.error_kind == "queue_full":
+                future.set_exception(QueueFullError(ack.message))
+            else:
+                future.set_exception(RuntimeError(ack.message))
+        if message.stats is not None:
+            self.stats = message.stats
+        if message.outputs is not None:
+            outputs, stopped = frontend.process(message.outputs)
+            if stopped:
+                self.client.submit(FinishCommand(stopped))
+            self._deliver(outputs)
+        if message.dead is not None:
+            self._die(message.dead)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        streams = self._streams
+        for output in outputs:
+            if output.metrics is not None:  # the frontend keeps updating its own copy
+                output.metrics = dataclasses.replace(output.metrics)
             for listener in self._listeners:
                 listener(output)
+            stream = (streams.pop(output.request_id, None) if output.finished
+                      else streams.get(output.request_id))
             if stream is not None and not stream.closed:
                 stream._queue.put_nowait(output)
 
-    @staticmethod
-    def _fail_all(streams: list[RequestStream], dead: EngineDeadError) -> None:
-        for stream in streams:
+    def _die(self, reason: str) -> None:
+        if self.dead_error is not None:
+            return
+        logger.error("the engine core stopped: %s", reason)
+        self.dead_error = EngineDeadError(f"the engine stopped: {reason}")
+        for future in self._acks.values():
+            if not future.done():
+                future.set_exception(self.dead_error)
+        self._acks.clear()
+        for stream in self._streams.values():
             if not stream.closed:
-                stream._queue.put_nowait(dead)
+                stream._queue.put_nowait(self.dead_error)
+        self._streams.clear()
+        for listener in self._dead_listeners:
+            listener()
 
+    def _add(self, stream: RequestStream, request_id: str, prompt: str | None,
+             prompt_token_ids: list[int], params: SamplingParams,
+             arrival_time: float) -> asyncio.Future:
+        request = self.frontend.make_request(request_id, prompt, params, prompt_token_ids,
+                                             RequestOutputKind.DELTA, arrival_time)
+        assert self._loop is not None
+        ack = self._loop.create_future()
+        self._acks[request_id] = ack
+        self._streams[request_id] = stream
+        self.client.submit(AddCommand(request))
+        return ack
 
-def _resolve_ack(ack: asyncio.Future, error: BaseException | None) -> None:
-    if ack.done():  # the caller was cancelled while waiting
-        return
-    if error is None:
-        ack.set_result(None)
-    else:
-        ack.set_exception(error)
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._streams.pop(request_id, None)
+        self._deliver(self.frontend.abort(request_ids))
+        self.client.submit(AbortCommand(request_ids))
 
 
 class RequestStream:
@@ -262,7 +247,7 @@ class RequestStream:
 
     Iterating yields every request's DELTA outputs in the order the engine produced them
     and ends when all added requests have finished. `close()` aborts the unfinished ones,
-    so the engine frees their KV blocks at its next step; it runs on every exit path of a
+    so the core frees their KV blocks at its next step; it runs on every exit path of a
     handler (client gone, error, cancellation) and, as a last resort, on garbage collection.
     """
 
@@ -274,19 +259,17 @@ class RequestStream:
 
     async def add(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
                   params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Add a request; returns once the engine accepted it. Raises ValueError for
+        """Add a request; returns once the core accepted it. Raises ValueError for
         invalid input, QueueFullError, EngineDeadError."""
         engine = self._engine
         if self.closed:
             raise RuntimeError("the stream is closed")
         if engine.dead_error is not None:
-            raise EngineDeadError(f"the engine stopped: {engine.dead_error!r}")
-        assert engine._loop is not None
-        ack = engine._loop.create_future()
-        # Before submitting: if we are cancelled while waiting, close() still aborts it.
+            raise engine.dead_error
+        ack = engine._add(self, request_id, prompt, list(prompt_token_ids), params,
+                          arrival_time if arrival_time is not None else time.monotonic())
+        # Before waiting: if we are cancelled while waiting, close() still aborts it.
         self._unfinished.add(request_id)
-        engine._submit(_Add(self, request_id, prompt, list(prompt_token_ids), params,
-                            arrival_time if arrival_time is not None else time.monotonic(), ack))
         try:
             await ack
         except asyncio.CancelledError:
@@ -310,14 +293,17 @@ class RequestStream:
         return item
 
     def close(self) -> None:
-        """Abort every request that has not finished. Idempotent; never blocks."""
+        """Abort every request that has not finished. Idempotent; never blocks; safe from
+        any thread (the abort runs on the event loop)."""
         self.closed = True
         if self._unfinished:
-            self._engine._submit(_Abort(sorted(self._unfinished)))
+            ids = sorted(self._unfinished)
             self._unfinished.clear()
+            self._engine._call_soon(self._engine._abort, ids)
 
     def __del__(self) -> None:
         try:
             self.close()
         except Exception:  # interpreter shutdown
             pass
+

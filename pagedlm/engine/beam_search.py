@@ -61,12 +61,11 @@ class BeamGroup:
 
 
 class BeamSearchDriver:
-    """Beam-search groups on an LLMEngine, advanced by the engine after every step."""
+    """Beam-search groups on the engine core, advanced by it after every step."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...], tokenizer) -> None:
+    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...]) -> None:
         self.scheduler = scheduler
         self.eos_token_ids = eos_token_ids
-        self.tokenizer = tokenizer
         self._ids = itertools.count()
         self.groups: dict[str, BeamGroup] = {}  # user request id -> group
         self.owner: dict[str, BeamGroup] = {}  # beam request id -> group
@@ -84,6 +83,9 @@ class BeamSearchDriver:
 
     def has_groups(self) -> bool:
         return bool(self.groups)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self.groups
 
     def abort(self, request_id: str) -> bool:
         group = self.groups.pop(request_id, None)
@@ -189,11 +191,9 @@ class BeamSearchDriver:
         self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
 
     def _output(self, group: BeamGroup) -> BeamSearchOutput:
-        tokenizer = self.tokenizer
         sequences = []
-        for h in group.finished:
-            text = tokenizer.decode(h.tokens, skip_special_tokens=True) if tokenizer is not None else None
+        for h in group.finished:  # the frontend fills in the text
             sequences.append(BeamSearchSequence(
-                tokens=h.tokens, cum_logprob=h.cum_logprob, text=text, finish_reason=h.finish_reason,
+                tokens=h.tokens, cum_logprob=h.cum_logprob, text=None, finish_reason=h.finish_reason,
                 score=h.score, num_prompt_tokens=len(group.prompt_token_ids)))
         return BeamSearchOutput(sequences=sequences)

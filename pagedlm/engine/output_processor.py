@@ -11,11 +11,11 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedlm.core.request import Request, RequestStatus
+from pagedlm.engine.core import CoreOutputs
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+from pagedlm.worker.model_runner import TokenLogprobs
 
 
 class RequestOutputKind(enum.Enum):
@@ -26,15 +26,17 @@ class RequestOutputKind(enum.Enum):
 
 @dataclass
 class SequenceState:
-    request: Request
+    seq_id: str
     index: int
     detokenizer: IncrementalDetokenizer | None
     logprobs: list | None
     cumulative_logprob: float | None
+    output_token_ids: list[int] = field(default_factory=list)
     num_published_tokens: int = 0
     num_published_logprobs: int = 0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    num_preemptions: int = 0
 
 
 @dataclass
@@ -63,9 +65,9 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, output_kind: RequestOutputKind,
-                    sequences: list[Request], arrival_time: float) -> None:
+                    seq_ids: list[str], arrival_time: float) -> None:
         seqs = []
-        for i, request in enumerate(sequences):
+        for i, seq_id in enumerate(seq_ids):
             detok = None
             if params.detokenize and self.tokenizer is not None:
                 detok = IncrementalDetokenizer(
@@ -75,7 +77,7 @@ class OutputProcessor:
                 )
             wants_logprobs = params.logprobs is not None
             ranked = (params.best_of or params.n) > params.n
-            seqs.append(SequenceState(request, i, detok, [] if wants_logprobs else None,
+            seqs.append(SequenceState(seq_id, i, detok, [] if wants_logprobs else None,
                                       0.0 if wants_logprobs or ranked else None))
         if (params.best_of or params.n) > params.n:
             # The n best are known only at the end.
@@ -85,69 +87,72 @@ class OutputProcessor:
                              prompt_logprobs={} if params.prompt_logprobs is not None else None)
         self.states[request_id] = state
         for seq in seqs:
-            self.seq_to_state[seq.request.request_id] = (state, seq)
+            self.seq_to_state[seq.seq_id] = (state, seq)
 
     def has_request(self, request_id: str) -> bool:
         return request_id in self.states
 
     def sequence_ids(self, request_id: str) -> list[str]:
         state = self.states.get(request_id)
-        return [s.request.request_id for s in state.sequences] if state else []
+        return [s.seq_id for s in state.sequences] if state else []
 
-    def process(self, scheduled_ids: list[str], updated: list[Request], result: ModelRunnerOutput,
-                ) -> tuple[list[RequestOutput], list[str]]:
+    def process(self, core_out: CoreOutputs) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to publish and the sequence ids a stop string finished (the
-        engine tells the scheduler, which frees their blocks)."""
+        core must stop them, which frees their blocks). Outputs of sequences this
+        processor no longer tracks (already stopped by a string, aborted) are dropped."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        # Requests this processor does not know (beam search drives its own) are skipped.
-        for seq_id in scheduled_ids:
-            if seq_id in self.seq_to_state:
-                state, _ = self.seq_to_state[seq_id]
-                if state.metrics.first_scheduled_time is None:
-                    state.metrics.first_scheduled_time = now
-        for seq_id, rows in result.prompt_logprobs.items():
-            if seq_id not in self.seq_to_state:
+        seq_to_state = self.seq_to_state
+        for seq_id in core_out.scheduled_seq_ids:
+            entry = seq_to_state.get(seq_id)
+            if entry is not None and entry[0].metrics.first_scheduled_time is None:
+                entry[0].metrics.first_scheduled_time = now
+        for seq_id, rows in core_out.prompt_logprobs.items():
+            entry = seq_to_state.get(seq_id)
+            if entry is None or entry[0].prompt_logprobs is None:
                 continue
-            state, _ = self.seq_to_state[seq_id]
             for position, lp in rows:
-                state.prompt_logprobs[position] = self._position_logprobs(lp)
+                entry[0].prompt_logprobs[position] = self._position_logprobs(lp)
         stopped_by_string = []
-        for request in updated:
-            if request.request_id not in self.seq_to_state:
+        for seq_out in core_out.outputs:
+            entry = seq_to_state.get(seq_out.seq_id)
+            if entry is None:
                 continue
-            state, seq = self.seq_to_state[request.request_id]
+            state, seq = entry
+            if seq.finish_reason is not None:
+                continue  # a stop string ended it; the core computed one token more
             touched[state.request_id] = state
             if state.metrics.first_token_time is None:
                 state.metrics.first_token_time = now
             state.metrics.last_token_time = now
-            token_id = request.output_token_ids[-1]
-            lp = result.logprobs.get(request.request_id)
+            token_id = seq_out.token_id
+            seq.output_token_ids.append(token_id)
+            lp = seq_out.logprobs
             if lp is not None:
                 if seq.logprobs is not None:
                     seq.logprobs.append(self._position_logprobs(lp))
                 if seq.cumulative_logprob is not None:
                     seq.cumulative_logprob += lp.logprob
-            if request.is_finished():
-                seq.finish_reason = request.get_finish_reason()
-                seq.stop_reason = request.stop_reason
+            if seq_out.finish_reason is not None:
+                seq.finish_reason = seq_out.finish_reason
+                seq.stop_reason = seq_out.stop_reason
+                seq.num_preemptions = seq_out.num_preemptions
             if seq.detokenizer is not None:
                 # A stop token (EOS or stop_token_ids) is kept in token_ids but not in the text.
-                stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+                stopped_by_token = seq_out.finish_reason == "stop"
                 if not stopped_by_token or state.params.include_stop_str_in_output:
                     stop_str = seq.detokenizer.update([token_id])
                     if stop_str is not None:
-                        request.stop_reason = stop_str
+                        if seq.finish_reason is None:
+                            stopped_by_string.append(seq_out.seq_id)
                         seq.finish_reason, seq.stop_reason = "stop", stop_str
-                        if not request.is_finished():
-                            stopped_by_string.append(request.request_id)
             if seq.finish_reason is not None:
                 state.finished.add(seq.index)
         outputs = []
         for state in touched.values():
             if state.is_finished:
                 state.metrics.finished_time = now
-                state.metrics.num_preemptions = sum(s.request.num_preemptions for s in state.sequences)
+                state.metrics.num_preemptions = sum(s.num_preemptions for s in state.sequences)
             output = self._make_output(state)
             if output is not None:
                 outputs.append(output)
@@ -171,7 +176,7 @@ class OutputProcessor:
     def _forget(self, state: RequestState) -> None:
         del self.states[state.request_id]
         for seq in state.sequences:
-            self.seq_to_state.pop(seq.request.request_id, None)
+            self.seq_to_state.pop(seq.seq_id, None)
 
     def _position_logprobs(self, lp: TokenLogprobs) -> dict[int, Logprob]:
         ids = [lp.token_id] + [t for t in lp.top_ids if t != lp.token_id]
@@ -215,7 +220,7 @@ class OutputProcessor:
         )
 
     def _completion(self, seq: SequenceState, delta: bool, request_finished: bool) -> CompletionOutput:
-        token_ids = seq.request.output_token_ids
+        token_ids = seq.output_token_ids
         finished = seq.finish_reason is not None
         text = ""
         if seq.detokenizer is not None:
@@ -225,7 +230,7 @@ class OutputProcessor:
             token_ids = token_ids[seq.num_published_tokens :]
             if logprobs is not None:
                 logprobs = logprobs[seq.num_published_logprobs :]
-        seq.num_published_tokens = len(seq.request.output_token_ids)
+        seq.num_published_tokens = len(seq.output_token_ids)
         seq.num_published_logprobs = len(seq.logprobs) if seq.logprobs is not None else 0
         return CompletionOutput(
             index=seq.index,

@@ -101,7 +101,7 @@ class LLM:
         for i, p in enumerate(prompts):
             text, ids = self._parse_prompt(p, i)
             ids = ids if ids is not None else engine.tokenize(text)
-            engine._validate_prompt(ids, SamplingParams(max_tokens=params.max_tokens))
+            engine.validate_prompt(ids, SamplingParams(max_tokens=params.max_tokens))
             token_lists.append(ids)
         ids = []
         try:

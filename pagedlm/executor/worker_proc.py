@@ -37,7 +37,7 @@ def connect(address: str, token: str) -> Connection:
     return conn
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the engine gone, the rank goes too
@@ -118,7 +118,7 @@ def shutdown_group() -> None:
 
 
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     # Ctrl-C reaches the whole process group: the engine decides, and stops the ranks.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = connect(os.environ[ENV_ADDRESS], os.environ[ENV_TOKEN])

@@ -60,7 +60,7 @@ def _run(llm: LLM, prompts: list[list[int]], params: SamplingParams, window: int
     engine = llm.llm_engine
     kv = engine.kv_cache_manager
     assert kv.sliding_window == window
-    first_id = engine._num_steps * 1000  # fresh ids on each call
+    first_id = engine.get_stats().num_steps * 1000  # fresh ids on each call
     for i, p in enumerate(prompts):
         engine.add_request(str(first_id + i), None, params, prompt_token_ids=p)
     budget = engine.scheduler.config.max_num_batched_tokens

@@ -86,3 +86,60 @@ def test_waiting_queue_is_bounded(tiny_llama_dir):
             engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_core_process_matches_offline_and_frees_blocks(tiny_llama_dir):
+    """The same through the engine core in its own process: token for token the offline
+    engine's outputs (n=2 and a stop token id), and an abort frees every block."""
+    from pagedlm import LLM
+
+    args = dict(skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=256)
+    params = [SamplingParams(temperature=0, max_tokens=12, detokenize=False, n=2),
+              SamplingParams(temperature=1.0, seed=7, max_tokens=10, detokenize=False,
+                             logprobs=2)]
+    offline = LLM(tiny_llama_dir, **args).generate(
+        [{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[::-1]}], params,
+        use_tqdm=False)
+
+    async def main() -> None:
+        engine = AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, **args))
+        engine.start()
+        pid = engine.client.pid
+        try:
+            assert engine.is_healthy and pid is not None
+            for i, (prompt, p) in enumerate(zip([PROMPT, PROMPT[::-1]], params)):
+                stream = engine.open_stream()
+                await stream.add(f"r{i}", None, prompt, p)
+                tokens: dict[int, list[int]] = {}
+                logprobs: dict[int, list] = {}
+                async for output in stream:
+                    for c in output.outputs:
+                        tokens.setdefault(c.index, []).extend(c.token_ids)
+                        logprobs.setdefault(c.index, []).extend(c.logprobs or [])
+                assert output.finished
+                assert [tokens[c.index] for c in offline[i].outputs] == \
+                    [c.token_ids for c in offline[i].outputs]
+                if p.logprobs:
+                    assert logprobs[0] == offline[i].outputs[0].logprobs
+
+            total = engine.stats.num_blocks_total
+            stream = engine.open_stream()
+            await stream.add("long", None, PROMPT,
+                             SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False))
+            await stream.__anext__()
+            stream.close()
+            await _wait_until(lambda: engine.stats.num_blocks_free == total
+                              and engine.stats.num_requests_running == 0)
+            with pytest.raises(ValueError, match="maximum context length"):
+                await engine.open_stream().add("c", None, [1] * 300, SamplingParams(max_tokens=4))
+        finally:
+            engine.shutdown()
+        assert not engine.client.is_alive()
+
+    asyncio.run(main())
+
+
+def test_core_process_start_up_errors_are_value_errors(tiny_llama_dir):
+    with pytest.raises(ValueError, match="larger than the model's context"):
+        AsyncLLMEngine.from_engine_args(EngineArgs(model=tiny_llama_dir, skip_tokenizer_init=True,
+                                                   max_model_len=1 << 20))

@@ -1,12 +1,13 @@
 """`pagedlm serve`: the FastAPI app and the uvicorn server around an AsyncLLMEngine.
 
     CORS (only with --allowed-origins) -> API key (all but /health) -> body size limit
-      -> FastAPI routes -> Serving* -> AsyncLLMEngine (engine thread) -> LLMEngine
+      -> FastAPI routes -> Serving* -> AsyncLLMEngine (frontend) ==pipe==> engine core process
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import ipaddress
 import logging
@@ -49,6 +50,9 @@ from pagedlm.entrypoints.openai.serving_completion import CompletionServing
 
 logger = logging.getLogger(__name__)
 
+# After the engine core dies, the server answers 503 on /health this long, then exits.
+ENGINE_DEAD_EXIT_S = 5.0
+
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
 _STREAMING = {"content": {"text/event-stream": {}}}
 
@@ -56,7 +60,7 @@ _STREAMING = {"content": {"text/event-stream": {}}}
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> FastAPI:
-    """The OpenAI-compatible app. Its lifespan starts and stops the engine thread."""
+    """The OpenAI-compatible app. Its lifespan starts and stops the engine."""
     serving = Serving(engine, served_model_names)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
@@ -138,7 +142,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
-        vocab_size = engine.engine.vocab_size
+        vocab_size = engine.vocab_size
         bad = next((t for t in body.tokens if t >= vocab_size), None)
         if bad is not None:
             raise bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab_size})",
@@ -173,7 +177,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     import uvicorn
 
     from pagedlm.config import EngineArgs
-    from pagedlm.engine.llm_engine import LLMEngine
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     if args.enable_prefix_caching is not None:
@@ -185,24 +188,36 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if not args.api_key and not _is_loopback(args.host):
         logger.warning("listening on %s without --api-key: anyone who can reach this address "
                        "can use the model", args.host)
-    llm_engine = LLMEngine(EngineArgs(**engine_kwargs))
+    engine = AsyncLLMEngine.from_engine_args(
+        EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests)
     names = args.served_model_name or [
-        default_served_model_name(engine_kwargs.get("model"), str(llm_engine.model_path))]
-    engine = AsyncLLMEngine(llm_engine, max_num_queued_requests=args.max_num_queued_requests)
+        default_served_model_name(engine_kwargs.get("model"), engine.model_path)]
     app = build_app(engine, names, api_key=args.api_key, allowed_origins=args.allowed_origins,
                     max_request_body_size=args.max_request_body_size)
     host = args.host
     url_host = f"[{host}]" if ":" in host else host
     stats = engine.stats
-    logger.info("serving %s (model %s on %s): %d KV blocks x %d tokens = %d tokens of KV cache",
-                ", ".join(names), llm_engine.model_path, llm_engine.device,
-                stats.num_blocks_total, stats.block_size,
+    logger.info("serving %s (model %s on %s, engine core in process %s): %d KV blocks x %d "
+                "tokens = %d tokens of KV cache", ", ".join(names), engine.model_path,
+                engine.device, engine.client.pid, stats.num_blocks_total, stats.block_size,
                 stats.num_blocks_total * stats.block_size)
     logger.info("OpenAI-compatible API at http://%s:%d/v1 (API key %s, CORS %s)", url_host,
                 args.port, "required" if args.api_key else "off",
                 ", ".join(args.allowed_origins) if args.allowed_origins else "off")
     config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, server_header=False)
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+
+    def exit_later() -> None:
+        # /health answers 503 meanwhile, so a supervisor sees why the server goes away.
+        logger.error("the engine core is gone: the server exits in %.0f s", ENGINE_DEAD_EXIT_S)
+        asyncio.get_running_loop().call_later(ENGINE_DEAD_EXIT_S, setattr, server,
+                                              "should_exit", True)
+
+    engine.add_dead_listener(exit_later)
+    try:
+        server.run()
+    finally:
+        engine.shutdown()  # also when the lifespan never ran (the port was taken)
+    return 1 if engine.dead_error is not None else 0
 

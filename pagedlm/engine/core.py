@@ -1,0 +1,338 @@
+"""The engine core: scheduling, KV bookkeeping, the model step and sampling. Token ids in,
+token ids out: no tokenizer and no text here, so the core can run in a process of its own.
+
+    frontend (engine/frontend.py)                    core (this module)
+    ------------------------------                   -----------------------------------
+    tokenize, validate, draw seeds  -- CoreRequest -->  one Request per sample -> Scheduler
+    detokenize, stop strings,       <-- CoreOutputs --  step(): schedule -> execute_model
+      build RequestOutputs                                 -> update_from_output
+    a stop string matched           -- finish_sequences -> blocks freed at once
+    client gone                     -- abort_requests   -> blocks freed at once
+
+A user request with n > 1 (or best_of) is several sequences, "{i}_{request_id}", that the
+scheduler treats as independent requests; the frontend names them and the core tracks
+which sequences are still live for each request, so an abort by user id reaches them all.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedlm.config import EngineArgs, SchedulerConfig
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.beam_search import BeamSearchDriver
+from pagedlm.engine.stats import EngineStats, KVUsageSample
+from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
+from pagedlm.outputs import BeamSearchOutput
+from pagedlm.sampling_params import BeamSearchParams, SamplingParams
+from pagedlm.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+from pagedlm.worker.worker import model_max_len
+
+logger = logging.getLogger(__name__)
+
+
+def sequence_ids(request_id: str, num_seqs: int) -> list[str]:
+    """The scheduler's ids for the samples of a user request."""
+    return [request_id] if num_seqs == 1 else [f"{i}_{request_id}" for i in range(num_seqs)]
+
+
+@dataclass
+class CoreRequest:
+    """A validated user request, as token ids. `params` are the sequences' own parameters
+    (with best_of, logprobs are on so the frontend can rank the samples)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seeds: list[int]  # one per sequence, in sequence_ids() order
+    max_tokens: int
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+@dataclass
+class CoreBeamRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
+
+
+@dataclass
+class SeqOutput:
+    """One sequence's new token of this step."""
+
+    seq_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # "stop" (a stop token), "length"
+    stop_reason: int | None = None  # the stop token id, if it was one of stop_token_ids
+    num_preemptions: int = 0
+
+
+@dataclass
+class CoreOutputs:
+    """What one step of the core produced, for every request at once."""
+
+    outputs: list[SeqOutput] = field(default_factory=list)
+    # Sequences that reached the workers for the first time (queueing ends there).
+    scheduled_seq_ids: list[str] = field(default_factory=list)
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    beam_results: list[tuple[str, BeamSearchOutput]] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.outputs or self.scheduled_seq_ids or self.prompt_logprobs
+                    or self.beam_results)
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """Facts about the loaded engine the frontend needs, constant after start-up."""
+
+    max_model_len: int
+    vocab_size: int
+    device: str
+    num_blocks: int
+    block_size: int
+
+
+@dataclass
+class StepRecord:
+    """What the last step did, for drivers layered on the core (beam search, benchmarks)."""
+
+    scheduled: SchedulerOutput
+    result: ModelRunnerOutput
+    updated: list[Request]
+
+
+class EngineCore:
+    """Everything between token ids in and token ids out. Not thread-safe: one thread
+    (the caller's, the engine thread, or the core process's) calls it."""
+
+    def __init__(self, args: EngineArgs, source, eos_token_ids: tuple[int, ...]) -> None:
+        self.args = args
+        self.hf_config = source.hf_config
+        self.eos_token_ids = eos_token_ids
+        max_len = model_max_len(self.hf_config)
+        if args.max_model_len is not None and args.max_model_len > max_len:
+            raise ValueError(
+                f"max_model_len ({args.max_model_len}) is larger than the model's context "
+                f"({max_len} tokens)"
+            )
+        self.model_executor = _make_executor(args, source)
+        spec = self.model_executor.worker_spec()
+        self.device, self.dtype = spec.device, spec.dtype
+        self.spec = spec
+        max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
+        num_blocks = self.model_executor.determine_num_blocks(max_batched, max_len)
+        if num_blocks < 1:
+            raise ValueError(
+                f"the KV cache budget holds no block: one block of {spec.block_size} tokens "
+                f"needs {spec.block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
+            )
+        self.kv_cache_manager = KVCacheManager(num_blocks, spec.block_size,
+                                               args.enable_prefix_caching, spec.sliding_window)
+        self.max_model_len = self._max_model_len(max_len, max_batched, num_blocks)
+        self.model_executor.initialize_cache(num_blocks, args.max_num_seqs, self.max_model_len)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_batched,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=args.enable_chunked_prefill,
+            ),
+            self.kv_cache_manager,
+        )
+        self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
+        self.info = CoreInfo(max_model_len=self.max_model_len,
+                             vocab_size=self.hf_config.vocab_size, device=str(self.device),
+                             num_blocks=num_blocks, block_size=spec.block_size)
+        # user request id -> its live sequence ids; sequence id -> user request id
+        self._live_seqs: dict[str, set[str]] = {}
+        self._request_of: dict[str, str] = {}
+        self._num_steps = 0
+        self._num_prompt_tokens = 0
+        self._num_generation_tokens = 0
+        self.kv_usage: list[KVUsageSample] = []
+        self.last_step: StepRecord | None = None
+
+    def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
+        """The context served: max_model_len if the cache can hold it, else the model's
+        context as far as the cache holds it."""
+        capacity = self.kv_cache_manager.capacity_tokens
+        if self.kv_cache_manager.can_ever_fit(model_max, max_batched):
+            capacity = max(capacity, model_max)  # a window bounds the blocks held
+        if self.args.max_model_len is None:
+            return min(model_max, capacity)
+        if self.args.max_model_len > capacity:
+            raise ValueError(
+                f"max_model_len ({self.args.max_model_len}) is larger than the KV cache can "
+                f"hold ({capacity} tokens in {num_blocks} blocks); lower max_model_len or give "
+                f"the cache more memory"
+            )
+        return self.args.max_model_len
+
+    # ----- requests in and out ---------------------------------------------------------------
+
+    def add_request(self, request: CoreRequest) -> None:
+        """Queue a request's sequences. With several, the first computes the prompt and
+        the others fork from it when it samples its first token, sharing its blocks.
+        Raises ValueError (nothing is queued) when the request can never run."""
+        if request.request_id in self._live_seqs or self.beam_search.has(request.request_id):
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        seq_ids = sequence_ids(request.request_id, len(request.seeds))
+        sequences = [
+            Request(seq_id, request.prompt_token_ids, request.params, seed, self.eos_token_ids,
+                    max_tokens=request.max_tokens, arrival_time=request.arrival_time,
+                    cache_salt=request.cache_salt)
+            for seq_id, seed in zip(seq_ids, request.seeds)
+        ]
+        self.scheduler.add_request(sequences[0])
+        if len(sequences) > 1:
+            try:
+                self.scheduler.add_forked_requests(sequences[0], sequences[1:])
+            except ValueError:
+                self.scheduler.finish_requests([seq_ids[0]], RequestStatus.FINISHED_ABORTED)
+                raise
+        self._live_seqs[request.request_id] = set(seq_ids)
+        for seq_id in seq_ids:
+            self._request_of[seq_id] = request.request_id
+
+    def add_beam_request(self, request: CoreBeamRequest) -> None:
+        if request.request_id in self._live_seqs or self.beam_search.has(request.request_id):
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.beam_search.add(request.request_id, request.prompt_token_ids, request.params)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        """End user requests (every sequence, or the beam search); their blocks go back to
+        the pool now. Unknown or finished ids are ignored."""
+        for request_id in request_ids:
+            if self.beam_search.abort(request_id):
+                continue
+            seq_ids = self._live_seqs.pop(request_id, ())
+            for seq_id in seq_ids:
+                del self._request_of[seq_id]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_sequences(self, seq_ids: Iterable[str]) -> None:
+        """Stop sequences the frontend saw finish (a stop string matched)."""
+        seq_ids = list(seq_ids)
+        self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_STOPPED)
+        for seq_id in seq_ids:
+            self._forget_sequence(seq_id)
+
+    def _forget_sequence(self, seq_id: str) -> None:
+        request_id = self._request_of.pop(seq_id, None)
+        if request_id is None:
+            return
+        live = self._live_seqs[request_id]
+        live.discard(seq_id)
+        if not live:
+            del self._live_seqs[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ----- one step --------------------------------------------------------------------------
+
+    def step(self) -> CoreOutputs:
+        out = CoreOutputs()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return out
+        result = self.model_executor.execute_model(sched)
+        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        self.last_step = StepRecord(sched, result, updated)
+        request_of = self._request_of
+        out.scheduled_seq_ids = [r.req_id for r in sched.new_reqs if r.req_id in request_of]
+        out.prompt_logprobs = result.prompt_logprobs
+        logprobs = result.logprobs
+        for request in updated:
+            seq_id = request.request_id
+            if seq_id not in request_of:
+                continue  # a beam: the beam-search driver reports it
+            seq_out = SeqOutput(seq_id, request.output_token_ids[-1], logprobs.get(seq_id))
+            if request.is_finished():
+                seq_out.finish_reason = request.get_finish_reason()
+                seq_out.stop_reason = request.stop_reason
+                seq_out.num_preemptions = request.num_preemptions
+                self._forget_sequence(seq_id)
+            out.outputs.append(seq_out)
+        if self.beam_search.has_groups():
+            out.beam_results = self.beam_search.on_step(self.last_step)
+        self._num_steps += 1
+        self._num_prompt_tokens += sched.num_prompt_tokens
+        self._num_generation_tokens += len(updated)
+        if self.args.record_kv_usage:
+            self.kv_usage.append(KVUsageSample(
+                step=self._num_steps,
+                allocated_slots=self.kv_cache_manager.num_allocated_slots(),
+                tokens_held=self._tokens_held(),
+                tokens_held_unshared=self._tokens_unshared(),
+                num_running=self.scheduler.num_running,
+            ))
+        return out
+
+    # ----- state -----------------------------------------------------------------------------
+
+    def _tokens_held(self) -> int:
+        """Tokens whose K/V the cache holds, a token shared by several sequences once."""
+        return self.kv_cache_manager.num_distinct_tokens(self.scheduler.running)
+
+    def _tokens_unshared(self) -> int:
+        """What the live sequences would hold if nothing were shared."""
+        return sum(r.num_computed_tokens for r in self.scheduler.running)
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(
+            num_blocks_total=kv.num_blocks,
+            num_blocks_free=kv.num_free_blocks,
+            block_size=kv.block_size,
+            num_tokens_held=self._tokens_held(),
+            num_tokens_held_unshared=self._tokens_unshared(),
+            num_blocks_shared=kv.num_shared_blocks(),
+            num_block_copies=kv.num_copies,
+            prefix_cache_queries=self.scheduler.prefix_cache_queries,
+            prefix_cache_hits=self.scheduler.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        """Stop the workers (tensor-parallel ranks); the core cannot step afterwards."""
+        self.model_executor.shutdown()
+
+
+def _make_executor(args: EngineArgs, source) -> Executor:
+    if args.distributed_executor_backend == "ray":
+        from pagedlm.executor.ray_executor import RayExecutor  # Ray is an optional extra
+
+        return RayExecutor(args)
+    if args.tensor_parallel_size == 1:
+        return UniProcExecutor(args, source)
+    return MultiprocExecutor(args)
+
+
+def log_engine(core: EngineCore, model_path, load_time_s: float) -> None:
+    spec, args = core.spec, core.args
+    logger.info(
+        "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
+        "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
+        model_path, core.device, str(core.dtype).removeprefix("torch."), core.info.num_blocks,
+        spec.block_size, core.kv_cache_manager.capacity_tokens, core.max_model_len,
+        spec.attention_backend,
+        args.weight_dtype if args.weight_dtype != "auto" else str(core.dtype).removeprefix("torch."),
+        str(spec.kv_cache_dtype).removeprefix("torch."), load_time_s,
+    )
