@@ -46,6 +46,9 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
+    # Prompt tokens a step may compute while requests decode (None: CPU 128, GPU 2048),
+    # so that no decode waits behind a whole long prompt
+    max_prefill_tokens_with_decodes: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB
     gpu_memory_utilization: float = 0.9
@@ -80,6 +83,8 @@ class EngineArgs:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_model_len", self.max_model_len, allow_none=True)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens, allow_none=True)
+        _check_positive("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes,
+                        allow_none=True)
         _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _check_positive("num_threads", self.num_threads, allow_none=True)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -102,11 +107,16 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool = True
+    # Prompt tokens a step may compute while requests are decoding (None: no bound
+    # beyond max_num_batched_tokens).
+    max_prefill_tokens_with_decodes: int | None = None
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("max_model_len", self.max_model_len)
+        _check_positive("max_prefill_tokens_with_decodes", self.max_prefill_tokens_with_decodes,
+                        allow_none=True)
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

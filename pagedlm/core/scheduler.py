@@ -4,7 +4,9 @@ Every step the scheduler hands out at most `max_num_batched_tokens` tokens of wo
 most `max_num_seqs` requests. Running requests are served first, in admission order
 (each decode costs one token; a request part-way through a chunked prefill takes what
 the budget leaves), then waiting requests are admitted first come, first served, their
-prompts chunked to fit the budget. When the cache has no block for a running request,
+prompts chunked to fit the budget. While any request is decoding, the prompt work of a
+step is bounded further (`max_prefill_tokens_with_decodes`), so no decode waits behind a
+whole long prompt: inter-token latency stays steady under load. When the cache has no block for a running request,
 the most recently admitted running request is preempted: its blocks go back to the pool
 and it returns to the front of the waiting queue, to be recomputed from its first token
 (its generated tokens are kept, so nothing the user saw changes).
@@ -127,6 +129,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget()
 
         # Running requests first, in admission order.
         i = 0
@@ -137,6 +140,12 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request
+            if num_new > 1:  # a prompt chunk (or a recomputation): bounded next to decodes
+                num_new = min(num_new, prefill_budget)
+                if num_new == 0:
+                    i += 1
+                    continue
+                prefill_budget -= num_new
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -155,6 +164,7 @@ class Scheduler:
         while (
             not out.preempted_request_ids
             and budget > 0
+            and prefill_budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
             request = next((r for r in self.waiting if not r.paused), None)
@@ -164,10 +174,11 @@ class Scheduler:
             hits = self.kv.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = request.num_tokens - num_hit_tokens
-            if num_new > budget:
+            limit = min(budget, prefill_budget)
+            if num_new > limit:
                 if not self.config.enable_chunked_prefill:
                     break
-                num_new = budget
+                num_new = limit
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
             self.waiting.remove(request)
@@ -182,10 +193,24 @@ class Scheduler:
             self.kv.cache_blocks(request, num_hit_tokens + num_new)
             self._add_to_output(out, request, num_new)
             budget -= num_new
+            prefill_budget -= num_new
         out.copy_blocks = self.kv.take_pending_copies()
         if not out.is_empty:  # an empty step never reaches the workers: keep them for the next
             out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
+
+    def _prefill_budget(self) -> int:
+        """The prompt tokens (chunks, recomputation) this step may compute. While any
+        request decodes, at most `max_prefill_tokens_with_decodes`: a long prompt is then
+        spread over several steps instead of stalling every stream for one long step.
+        Without chunked prefill a prompt cannot be split, so it is not bounded."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap is None or not self.config.enable_chunked_prefill:
+            return self.config.max_num_batched_tokens
+        for request in self.running:
+            if not request.paused and request.num_tokens - request.num_computed_tokens == 1:
+                return cap
+        return self.config.max_num_batched_tokens
 
     def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         request_id = request.request_id

@@ -35,6 +35,11 @@ from pagedlm.worker.worker import model_max_len
 
 logger = logging.getLogger(__name__)
 
+# Prompt tokens per step while requests decode, by default (see Scheduler._prefill_budget;
+# the CPU figure is measured in benchmarks/results/engine_core/).
+DEFAULT_CPU_PREFILL_WITH_DECODES = 128
+DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
+
 
 def sequence_ids(request_id: str, num_seqs: int) -> list[str]:
     """The scheduler's ids for the samples of a user request."""
@@ -144,6 +149,10 @@ class EngineCore:
                 max_num_batched_tokens=max_batched,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=args.enable_chunked_prefill,
+                max_prefill_tokens_with_decodes=(
+                    args.max_prefill_tokens_with_decodes
+                    or (DEFAULT_CPU_PREFILL_WITH_DECODES if self.device.type == "cpu"
+                        else DEFAULT_GPU_PREFILL_WITH_DECODES)),
             ),
             self.kv_cache_manager,
         )

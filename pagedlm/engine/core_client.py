@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import queue
 import signal
@@ -217,6 +218,9 @@ class ProcessCoreClient:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closing = False
+        # Reaping the process from two threads at once loses its exit status (one
+        # waitpid gets it, the other ECHILD) and is_alive() then stays True forever.
+        self._reap_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -249,9 +253,8 @@ class ProcessCoreClient:
             on_message(message)
             if message.dead is not None:
                 return
-        self.process.join(1.0)
+        code = self._wait_exit(1.0)
         if not self._closing:
-            code = self.process.exitcode
             how = f"was killed by signal {-code}" if code is not None and code < 0 else \
                 f"exited with code {code}"
             logger.error("the engine core process (pid %s) %s", self.process.pid, how)
@@ -260,12 +263,21 @@ class ProcessCoreClient:
     def submit(self, command: object) -> None:
         self._commands.put(command)
 
+    def _wait_exit(self, timeout: float) -> int | None:
+        """The core's exit code once it exits, waiting at most `timeout`; None while it
+        runs. Waits on the sentinel without the lock, so is_alive() never blocks."""
+        multiprocessing.connection.wait([self.process.sentinel], timeout)
+        with self._reap_lock:
+            self.process.join(0)
+            return self.process.exitcode
+
     def is_alive(self) -> bool:
-        return self.process.is_alive()
+        with self._reap_lock:
+            return self.process.is_alive()
 
     def shutdown(self, timeout: float = _SHUTDOWN_TIMEOUT_S) -> None:
         self._closing = True
-        if self.process.is_alive():
+        if self.is_alive():
             if self._threads:
                 self._commands.put(ShutdownCommand())
             else:
@@ -273,11 +285,11 @@ class ProcessCoreClient:
                     self._conn.send([ShutdownCommand()])
                 except (OSError, EOFError, ValueError):
                     pass
-            self.process.join(timeout)
-        if self.process.is_alive():
+            self._wait_exit(timeout)
+        if self.is_alive():
             logger.warning("the engine core process did not stop in %.0f s: killing it", timeout)
             self.process.kill()
-            self.process.join(5)
+            self._wait_exit(5)
         self._conn.close()
 
 

@@ -38,6 +38,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
+    g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
+                   help="prompt tokens a step may compute while requests are decoding, so "
+                        "no stream waits behind a whole long prompt (default: CPU 128, GPU "
+                        "2048)")
     g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -75,6 +79,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, kv_cache_memory=args.kv_cache_memory,
+        max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         num_threads=args.num_threads, attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,

@@ -29,6 +29,7 @@ def make_scheduler(
     max_seqs: int = 8,
     max_model_len: int | None = None,
     chunked: bool = True,
+    prefill_cap: int | None = None,
 ) -> Scheduler:
     if max_model_len is None:
         max_model_len = num_blocks * block_size
@@ -37,6 +38,7 @@ def make_scheduler(
         max_num_batched_tokens=budget,
         max_model_len=max_model_len,
         enable_chunked_prefill=chunked,
+        max_prefill_tokens_with_decodes=prefill_cap,
     )
     return Scheduler(config, KVCacheManager(num_blocks=num_blocks, block_size=block_size))
 
@@ -118,6 +120,37 @@ def test_token_budget_chunks_and_decode_first() -> None:
     assert out.total_num_scheduled_tokens == 8
     steps = run_to_completion(s)
     assert steps < 20
+
+
+def test_prompt_work_is_bounded_while_requests_decode() -> None:
+    s = make_scheduler(32, budget=16, prefill_cap=3)
+    s.add_request(make_request("r0", 4, 4))
+    out, _ = step(s)
+    assert summary(out) == [("r0", 0, 4, True)]  # nothing decodes yet: the whole budget
+    s.add_request(make_request("r1", 10, 2))
+    s.add_request(make_request("r2", 2, 2))
+    out, _ = step(s)
+    # r0 decodes, so prompts get 3 tokens: r1's first chunk, and r2 must wait.
+    assert summary(out) == [("r0", 4, 1, True), ("r1", 0, 3, False)]
+    out, _ = step(s)
+    assert summary(out) == [("r0", 5, 1, True), ("r1", 3, 3, False)]
+    out, _ = step(s)
+    assert summary(out) == [("r0", 6, 1, True), ("r1", 6, 3, False)]
+    out, _ = step(s)
+    # r0 finished last step (4 tokens): no decode left, so the rest of the budget is free.
+    assert summary(out) == [("r1", 9, 1, True), ("r2", 0, 2, True)]
+    out, _ = step(s)
+    assert summary(out) == [("r1", 10, 1, True), ("r2", 2, 1, True)]
+    assert not s.has_unfinished_requests()
+
+
+def test_prompt_bound_does_not_apply_without_chunked_prefill() -> None:
+    s = make_scheduler(32, budget=64, max_model_len=64, chunked=False, prefill_cap=2)
+    s.add_request(make_request("r0", 3, 3))
+    step(s)
+    s.add_request(make_request("r1", 8, 2))
+    out, _ = step(s)
+    assert summary(out) == [("r0", 3, 1, True), ("r1", 0, 8, True)]
 
 
 def test_budget_never_exceeded_and_counts_match() -> None:
@@ -551,6 +584,7 @@ def workloads(draw):
     if not chunked:
         budget = max(budget, capacity)
     max_seqs = draw(st.integers(1, 8))
+    prefill_cap = draw(st.one_of(st.none(), st.integers(1, 8)))
     n = draw(st.integers(1, 8))
     reqs = []
     for _ in range(n):
@@ -563,13 +597,13 @@ def workloads(draw):
         arrival = draw(st.integers(0, 4))
         abort_at = draw(st.integers(0, 30)) if draw(st.integers(0, 4)) == 0 else None
         reqs.append((prompt, max_tokens, arrival, abort_at))
-    return block_size, num_blocks, chunked, budget, max_seqs, reqs
+    return block_size, num_blocks, chunked, budget, max_seqs, prefill_cap, reqs
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workloads())
 def test_random_workloads_complete(workload) -> None:
-    block_size, num_blocks, chunked, budget, max_seqs, specs = workload
+    block_size, num_blocks, chunked, budget, max_seqs, prefill_cap, specs = workload
     capacity = block_size * num_blocks
     s = make_scheduler(
         num_blocks,
@@ -578,6 +612,7 @@ def test_random_workloads_complete(workload) -> None:
         max_seqs=max_seqs,
         max_model_len=capacity,
         chunked=chunked,
+        prefill_cap=prefill_cap,
     )
     reqs = [make_request(f"r{i}", p, m) for i, (p, m, _, _) in enumerate(specs)]
     added: set[str] = set()
@@ -605,6 +640,8 @@ def test_random_workloads_complete(workload) -> None:
 
         running_before = [r.request_id for r in s.running]
         waiting_before = [r.request_id for r in s.waiting]
+        decoding = any(not r.paused and r.num_tokens - r.num_computed_tokens == 1
+                       for r in s.running)
         out = schedule(s)
         s.check_invariants()
         if running_before or waiting_before:
@@ -613,6 +650,11 @@ def test_random_workloads_complete(workload) -> None:
         # Budget, max_num_seqs, block tables.
         assert out.total_num_scheduled_tokens == sum(r.num_new_tokens for r in out.scheduled)
         assert out.total_num_scheduled_tokens <= budget
+        if prefill_cap is not None and chunked and decoding:
+            event("prompt work bounded next to decodes")
+            prompt_work = sum(sr.num_new_tokens for sr in out.scheduled
+                              if sr.request.num_tokens - sr.num_computed_tokens > 1)
+            assert prompt_work <= prefill_cap
         assert len(out.scheduled) <= max_seqs and s.num_running <= max_seqs
         ids = [r.request_id for r in out.scheduled]
         assert len(set(ids)) == len(ids)
