@@ -20,6 +20,10 @@ VERSION=0.3.36  # keep in step with the `llamacpp` extra in pyproject.toml
 PREFIX=""
 INSTALL_PYTHON=1
 JOBS="${JOBS:-2}"
+# Extra compiler flags, e.g. CXXFLAGS_EXTRA="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" on a VM
+# that advertises AMX but does not let processes use it (llama-server then dies of SIGILL
+# when its thread pool starts).
+CFLAGS_EXTRA="${CFLAGS_EXTRA:-${CXXFLAGS_EXTRA:-}}"
 PYTHON="${PYTHON:-python}"
 
 while [[ $# -gt 0 ]]; do
@@ -66,7 +70,8 @@ echo "== configure"
     -DLLAMA_BUILD_APP=OFF \
     -DLLAMA_BUILD_UI=OFF \
     -DLLAMA_USE_PREBUILT_UI=OFF \
-    -DLLAMA_OPENSSL=OFF
+    -DLLAMA_OPENSSL=OFF \
+    -DCMAKE_C_FLAGS="$CFLAGS_EXTRA" -DCMAKE_CXX_FLAGS="$CFLAGS_EXTRA"
 
 echo "== build (-j$JOBS)"
 # llama-server depends on llama, ggml*, and mtmd: every library llama-cpp-python loads.
@@ -77,6 +82,7 @@ ln -sf "$BUILD/bin/llama-server" "$PREFIX/bin/llama-server"
 COMMIT="$(git -C "$SRC/vendor/llama.cpp" rev-parse --short HEAD 2>/dev/null || echo unknown)"
 cat > "$PREFIX/build-info.json" <<EOF
 {"llama_cpp_python": "$VERSION", "llama_cpp_commit": "$COMMIT", "ggml_native": true,
+ "extra_flags": "$CFLAGS_EXTRA",
  "build_dir": "$BUILD", "llama_server": "$BUILD/bin/llama-server"}
 EOF
 "$BUILD/bin/llama-server" --version 2>&1 | head -n 3 || true

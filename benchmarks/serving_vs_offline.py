@@ -90,7 +90,10 @@ def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     threads = ["--num-threads", str(args.threads)]
-    for repeat in range(args.repeats):
+    for repeat in range(args.first_repeat, args.first_repeat + args.repeats):
+        if "pagedlm" not in args.engines:
+            _run_llama_server(args, repeat, out)
+            continue
         path = out / f"offline_r{repeat}.json"
         print(f"== offline, repeat {repeat} -> {path.name}", flush=True)
         subprocess.run(_cli("bench", "throughput", "--dataset", "sharegpt", "--num-prompts",
@@ -110,26 +113,30 @@ def run(args) -> None:
         finally:
             server.stop()
 
-        if args.llama_server:
-            from pagedlm.loader.gguf_loader import default_model_path
-
-            port = _free_port()
-            url = f"http://127.0.0.1:{port}"
-            ctx = args.slots * 2048  # llama-server splits -c between its slots
-            server = Server([args.llama_server, "-m", str(default_model_path()), "--host",
-                             "127.0.0.1", "--port", str(port), "-np", str(args.slots), "-c",
-                             str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
-                             "--cont-batching", "--no-webui"],
-                            out / f"llama_server_r{repeat}.log")
-            try:
-                _wait_healthy(url, server.proc, server.log)
-                _serve_rates(args, "llama_server", url, args.rates, repeat, out,
-                             ["--dtype", "gguf (llama.cpp kernels on the file's own types)"])
-            finally:
-                server.stop()
+        if "llama-server" in args.engines:
+            _run_llama_server(args, repeat, out)
     summary = summarize(out, args.rates)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
+
+
+def _run_llama_server(args, repeat: int, out: Path) -> None:
+    from pagedlm.loader.gguf_loader import default_model_path
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    ctx = args.slots * 2048  # llama-server splits -c between its slots
+    server = Server([args.llama_server, "-m", str(default_model_path()), "--host",
+                     "127.0.0.1", "--port", str(port), "-np", str(args.slots), "-c",
+                     str(ctx), "-t", str(args.threads), "-tb", str(args.threads),
+                     "--cont-batching", "--no-webui"],
+                    out / f"llama_server_r{repeat}.log")
+    try:
+        _wait_healthy(url, server.proc, server.log)
+        _serve_rates(args, "llama_server", url, args.rates, repeat, out,
+                     ["--dtype", "gguf (llama.cpp kernels on the file's own types)"])
+    finally:
+        server.stop()
 
 
 def _range(values: list[float]) -> dict:
@@ -175,6 +182,11 @@ def summarize(out: Path, rates: list[str]) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--first-repeat", type=int, default=0,
+                        help="number the runs from here (to add runs to an earlier set)")
+    parser.add_argument("--engines", nargs="+", default=["pagedlm", "llama-server"],
+                        choices=["pagedlm", "llama-server"],
+                        help="pagedlm: offline and served runs; llama-server needs --llama-server")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--rates", nargs="+", default=["inf", "2", "4"])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2)
@@ -186,6 +198,8 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/engine_core")
     parser.add_argument("--summarize-only", action="store_true")
     args = parser.parse_args()
+    if "llama-server" in args.engines and not args.llama_server:
+        args.engines.remove("llama-server")
     if args.summarize_only:
         print(json.dumps(summarize(Path(args.out), args.rates), indent=1))
         return

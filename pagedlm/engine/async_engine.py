@@ -255,6 +255,9 @@ class RequestStream:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished: set[str] = set()
+        # request id -> its place among the requests added to this stream (an API call's
+        # prompt index), so callers never parse structure back out of ids
+        self.index_of: dict[str, int] = {}
         self.closed = False
 
     async def add(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
@@ -270,6 +273,7 @@ class RequestStream:
                           arrival_time if arrival_time is not None else time.monotonic())
         # Before waiting: if we are cancelled while waiting, close() still aborts it.
         self._unfinished.add(request_id)
+        self.index_of[request_id] = len(self.index_of)
         try:
             await ack
         except asyncio.CancelledError:

@@ -141,9 +141,7 @@ class EngineFrontend:
     def forget(self, request_id: str) -> None:
         """Stop tracking a request the core refused."""
         self._beam_requests.pop(request_id, None)
-        state = self.output_processor.states.get(request_id)
-        if state is not None:
-            self.output_processor._forget(state)
+        self.output_processor.forget(request_id)
 
     # ----- outputs ---------------------------------------------------------------------------
 

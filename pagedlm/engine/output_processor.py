@@ -173,6 +173,12 @@ class OutputProcessor:
         self._forget(state)
         return output
 
+    def forget(self, request_id: str) -> None:
+        """Drop a request without an output (the core refused it)."""
+        state = self.states.get(request_id)
+        if state is not None:
+            self._forget(state)
+
     def _forget(self, state: RequestState) -> None:
         del self.states[state.request_id]
         for seq in state.sequences:

@@ -93,3 +93,21 @@ def test_sigint_stops_the_core_with_the_server(tmp_path, tiny_model_dir):
     assert "did not stop" not in server.log()
     core.wait(10)  # gone (reaped by the server before it exited)
     assert not psutil.pid_exists(core.pid)
+
+
+def test_a_busy_port_is_an_error_before_the_model_loads(tiny_model_dir):
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", tiny_model_dir,
+             *TINY_ARGS, "--host", "127.0.0.1", "--port", str(port)],
+            capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
+    assert "KV blocks" not in done.stderr  # nothing was loaded

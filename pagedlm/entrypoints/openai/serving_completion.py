@@ -137,9 +137,6 @@ class _Job:
     serving: Serving
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _prompt_index(self, output: RequestOutput) -> int:
-        return int(output.request_id.rsplit("-", 1)[1])
-
     def _echo_logprobs(self, prompt_index: int, output: RequestOutput) -> CompletionLogprobs:
         text, token_ids = self.prompts[prompt_index]
         assert self.num_logprobs is not None
@@ -156,7 +153,7 @@ class _Job:
         choices = [_Choice() for _ in range(len(self.prompts) * self.n)]
         echo_logprobs: dict[int, CompletionLogprobs] = {}
         async for output in stream:
-            p = self._prompt_index(output)
+            p = stream.index_of[output.request_id]
             if self.echo and self.num_logprobs is not None and p not in echo_logprobs:
                 echo_logprobs[p] = self._echo_logprobs(p, output)
             for c in output.outputs:
@@ -191,7 +188,7 @@ class _Job:
         num_completion_tokens = 0
         try:
             async for output in stream:
-                p = self._prompt_index(output)
+                p = stream.index_of[output.request_id]
                 for c in output.outputs:
                     index = p * self.n + c.index
                     if index in finished:
