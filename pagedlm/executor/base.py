@@ -33,3 +33,28 @@ class Executor(ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to stop in-process
         """Stop the workers; the executor cannot be used afterwards."""
+
+
+class RankedExecutor(Executor):
+    """Workers on several ranks, reached through `_call`: every Executor method is the
+    same Worker method run on every rank."""
+
+    @abstractmethod
+    def _call(self, method: str, *args) -> list:
+        """Run the Worker's `method` on every rank; returns each rank's result."""
+
+    def _step_message(self, sched: SchedulerOutput) -> object:
+        """What `execute_model` sends every rank (a backend may serialise it once)."""
+        return sched
+
+    def worker_spec(self) -> WorkerSpec:
+        return self._call("worker_spec")[0]
+
+    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
+        return min(self._call("determine_num_blocks", max_num_batched_tokens, max_model_len))
+
+    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
+        self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._call("execute_model", self._step_message(sched))[0]

@@ -27,6 +27,7 @@ and a closed socket ends their loop).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import pickle
@@ -40,12 +41,9 @@ import weakref
 from multiprocessing.connection import Connection, wait
 
 from pagedlm.config import EngineArgs
-from pagedlm.core.sched_output import SchedulerOutput
-from pagedlm.csrc import load_all_extensions
-from pagedlm.executor.base import Executor
+from pagedlm.csrc import PREBUILT_ENV, load_all_extensions
+from pagedlm.executor.base import RankedExecutor
 from pagedlm.layers.parallel_state import shm_segment_bytes
-from pagedlm.worker.model_runner import ModelRunnerOutput
-from pagedlm.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -140,11 +138,12 @@ def _accept(listener: socket.socket, tokens: list[bytes], procs: list[subprocess
         conn.close()  # not one of ours
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(RankedExecutor):
     def __init__(self, args: EngineArgs) -> None:
         self.world_size = args.tensor_parallel_size
+        kernels: dict[str, str] = {}
         if args.device != "cuda":
-            load_all_extensions()  # built once here, not by every rank at the same time
+            kernels = load_all_extensions()  # built once here, not by every rank at once
         # Each rank is told its own token: whoever connects with it is that rank.
         tokens = [secrets.token_bytes(16) for _ in range(self.world_size)]
         listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -154,7 +153,8 @@ class MultiprocExecutor(Executor):
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "pagedlm.executor.worker_proc"],
                              env=dict(os.environ, **{ENV_ADDRESS: f"{host}:{port}",
-                                                     ENV_TOKEN: token.hex()}),
+                                                     ENV_TOKEN: token.hex(),
+                                                     PREBUILT_ENV: json.dumps(kernels)}),
                              stdin=subprocess.DEVNULL)
             for token in tokens
         ]
@@ -240,18 +240,6 @@ class MultiprocExecutor(Executor):
         raise error(message)
 
     # ----- Executor ----------------------------------------------------------------------
-
-    def worker_spec(self) -> WorkerSpec:
-        return self._call("worker_spec")[0]
-
-    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        return min(self._call("determine_num_blocks", max_num_batched_tokens, max_model_len))
-
-    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
-        self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        return self._call("execute_model", sched)[0]
 
     def shutdown(self) -> None:
         self._finalizer()

@@ -22,10 +22,8 @@ import socket
 
 from pagedlm.config import EngineArgs
 from pagedlm.core.sched_output import SchedulerOutput
-from pagedlm.executor.base import Executor
+from pagedlm.executor.base import RankedExecutor
 from pagedlm.executor.multiproc import WorkerError
-from pagedlm.worker.model_runner import ModelRunnerOutput
-from pagedlm.worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +70,7 @@ class RayWorker:
         return result if self.rank == 0 or method != "execute_model" else None
 
 
-class RayExecutor(Executor):
+class RayExecutor(RankedExecutor):
     def __init__(self, args: EngineArgs) -> None:
         try:
             import ray
@@ -150,18 +148,8 @@ class RayExecutor(Executor):
         """Run `method` on every rank; returns each rank's result."""
         return self._get([actor.call.remote(method, *args) for actor in self.actors], method)
 
-    def worker_spec(self) -> WorkerSpec:
-        return self._call("worker_spec")[0]
-
-    def determine_num_blocks(self, max_num_batched_tokens: int, max_model_len: int) -> int:
-        return min(self._call("determine_num_blocks", max_num_batched_tokens, max_model_len))
-
-    def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
-        self._call("initialize_cache", num_blocks, max_num_seqs, max_model_len)
-
-    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        ref = self._ray.put(sched)  # serialised once, read by every rank
-        return self._call("execute_model", ref)[0]
+    def _step_message(self, sched: SchedulerOutput) -> object:
+        return self._ray.put(sched)  # serialised once, read by every rank
 
     def shutdown(self) -> None:
         ray = self._ray
