@@ -198,7 +198,8 @@ class ProcessCoreClient:
         self._conn, child_conn = ctx.Pipe(duplex=True)
         self.process = ctx.Process(
             target=core_process_main, name="pagedlm-engine-core",
-            args=(child_conn, args, eos_token_ids, max_num_queued_requests))
+            args=(child_conn, args, eos_token_ids, max_num_queued_requests,
+                  (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())))
         self.process.start()
         child_conn.close()
         try:
@@ -294,14 +295,18 @@ class ProcessCoreClient:
 
 
 def core_process_main(conn, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                      max_num_queued_requests: int | None) -> None:
+                      max_num_queued_requests: int | None,
+                      log_levels: tuple[int, int] = (logging.WARNING, logging.INFO)) -> None:
     """The core process: load, report ready, loop until shut down or orphaned."""
     from pagedlm.executor.worker_proc import die_with_parent
     from pagedlm.loader.model_loader import resolve_model_source
 
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # The parent's --log-level: a spawned process starts with logging unconfigured.
+    root_level, pagedlm_level = log_levels
+    logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("pagedlm").setLevel(pagedlm_level)
     try:
         core = EngineCore(args, resolve_model_source(args.model), eos_token_ids)
     except BaseException as e:
