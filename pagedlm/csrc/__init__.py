@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
+import json
 import logging
 import os
 from pathlib import Path
@@ -36,11 +38,30 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+# JSON {stem: library file} of kernels a parent process has already built and loaded (see
+# load_all_extensions): imported straight from the file, never through torch's builder,
+# whose lock file a process killed while holding it leaves behind for every later load.
+PREBUILT_ENV = "PAGEDLM_PREBUILT_KERNELS"
+
+
+def _import_library(name: str, path: str) -> ModuleType:
+    import torch  # noqa: F401 - loads libc10 and libtorch, which the library links against
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None, path
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def load_extension(stem: str) -> ModuleType | None:
     """The compiled module of ``csrc/<stem>.cpp``, or None if disabled or unbuildable."""
     if os.environ.get(DISABLE_ENV):
         return None
+    prebuilt = json.loads(os.environ.get(PREBUILT_ENV, "{}")).get(stem)
+    if prebuilt is not None:
+        return _import_library(f"pagedlm_{stem}_{_cpu_tag()}", prebuilt)
     source = CSRC_DIR / f"{stem}.cpp"
     try:
         from torch.utils.cpp_extension import load
@@ -60,9 +81,14 @@ def load_extension(stem: str) -> ModuleType | None:
         return None
 
 
-def load_all_extensions() -> None:
-    """Build (or load) every kernel here now. Tensor-parallel ranks start several processes
-    at once: with the libraries built beforehand they only load them, and a rank killed
-    at start-up can never leave a half-finished build's lock behind for the others."""
+def load_all_extensions() -> dict[str, str]:
+    """Build (or load) every kernel here now; returns {stem: library file} of those that
+    loaded, for PREBUILT_ENV. Tensor-parallel ranks start several processes at once: with
+    the libraries built beforehand and named to them, they only import the files, and a
+    rank killed at start-up can never leave torch's build lock behind for the others."""
+    files = {}
     for source in sorted(CSRC_DIR.glob("*.cpp")):
-        load_extension(source.stem)
+        module = load_extension(source.stem)
+        if module is not None and getattr(module, "__file__", None):
+            files[source.stem] = module.__file__
+    return files
