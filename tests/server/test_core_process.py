@@ -32,6 +32,8 @@ def test_core_death_is_reported_and_the_server_exits(tmp_path, tiny_model_dir):
         server.wait_healthy()
         core = _core_process(server)
         assert core.pid != server.proc.pid
+        # The frontend yields the CPU to the core's compute threads.
+        assert psutil.Process(server.proc.pid).nice() == core.nice() + 10
 
         # The core really does the model work: a completion runs while it is alive.
         with httpx.Client(base_url=server.url, timeout=60) as http:

@@ -1,0 +1,96 @@
+"""Where the CPU goes while `pagedlm serve` is loaded: CPU-seconds of the server's frontend
+process, its engine core process and the load client during one `pagedlm bench serving` run
+(embedded SmolLM2, q8 weights, float16 KV cache, 64 ShareGPT requests at --request-rate,
+EOS ignored), with the run's output tok/s and TPOT.
+
+usage: python benchmarks/cpu/serving_cpu_split.py LABEL [--request-rate inf]
+           [--frontend-nice N] [--client-nice N]
+(--frontend-nice sets PAGEDLM_FRONTEND_NICE for the server; the client's figure covers its
+whole life, dataset tokenisation included.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+
+
+def _cpu_s(proc: psutil.Process) -> float:
+    t = proc.cpu_times()
+    return t.user + t.system
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("label")
+    parser.add_argument("--request-rate", default="inf")
+    parser.add_argument("--frontend-nice", type=int, default=None)
+    parser.add_argument("--client-nice", type=int, default=0)
+    args = parser.parse_args()
+    env = dict(os.environ)
+    if args.frontend_nice is not None:
+        env["PAGEDLM_FRONTEND_NICE"] = str(args.frontend_nice)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    cli = [sys.executable, "-m", "pagedlm.entrypoints.cli"]
+    log = open(f"cpu_split_{args.label}.log", "wb")
+    server = subprocess.Popen([*cli, "serve", "--host", "127.0.0.1", "--port", str(port),
+                               "--weight-dtype", "q8", "--kv-cache-dtype", "float16", "--seed", "0",
+                               "--uvicorn-log-level", "warning"],
+                              stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        for _ in range(1200):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None:
+                raise RuntimeError(f"the server exited; see {log.name}")
+            time.sleep(0.5)
+        frontend = psutil.Process(server.pid)
+        core = next(c for c in frontend.children()
+                    if any("spawn_main" in part for part in c.cmdline()))
+        front0, core0 = _cpu_s(frontend), _cpu_s(core)
+        out = f"cpu_split_{args.label}.json"
+        start = time.time()
+        client = subprocess.Popen(
+            ["nice", "-n", str(args.client_nice), *cli, "bench", "serving", "--base-url", url,
+             "--dataset", "sharegpt", "--num-prompts", "64", "--seed", "0", "--request-rate",
+             args.request_rate, "--temperature", "1.0", "--top-p", "1.0", "--top-k", "0",
+             "--min-p", "0.0", "--ignore-eos", "--disable-tqdm", "--output-json", out],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client_proc = psutil.Process(client.pid)
+        client_s = 0.0
+        while client.poll() is None:
+            try:
+                client_s = _cpu_s(client_proc)
+            except psutil.Error:
+                pass
+            time.sleep(0.2)
+        wall = time.time() - start
+        front_s, core_s = _cpu_s(frontend) - front0, _cpu_s(core) - core0
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(30)
+        log.close()
+    r = json.load(open(out))["results"]
+    print(f"{args.label}: {r['output_throughput']:.1f} output tok/s, TPOT p50/p99 "
+          f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f} ms; {wall:.1f} s, CPU-s: "
+          f"frontend {front_s:.1f}, core {core_s:.1f}, client >= {client_s:.1f}")
+
+
+if __name__ == "__main__":
+    main()
