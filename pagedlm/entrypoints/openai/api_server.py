@@ -54,7 +54,8 @@ logger = logging.getLogger(__name__)
 
 # Niceness of the server's frontend threads, relative to the engine core process
 # (PAGEDLM_FRONTEND_NICE overrides; 0 = same priority). Measured on 2 cores, ShareGPT-64 at
-# rate inf: 457 vs 441 output tok/s (two runs each), the frontend using ~1.4 CPU-s of ~64.
+# rate inf: 457 vs 441 output tok/s (two runs each), the frontend using ~1.4 CPU-s of ~64
+# (benchmarks/cpu/serving_cpu_split.py --frontend-nice 10 / 0).
 FRONTEND_NICE = 10
 
 # After the engine core dies, the server answers 503 on /health this long, then exits.
