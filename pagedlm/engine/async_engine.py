@@ -56,6 +56,15 @@ class EngineDeadError(RuntimeError):
     """The engine core stopped on an unexpected error; no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request with an error; the others go on. `code` says why:
+    "internal_error" (a fault confined to this request), "server_shutting_down"."""
+
+    def __init__(self, message: str, code: str = "internal_error") -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class AsyncLLMEngine:
     """Serves an engine core to asyncio code.
 
@@ -94,6 +103,8 @@ class AsyncLLMEngine:
         self._started = False
         self.stats: EngineStats = self.client.initial_stats
         self.dead_error: EngineDeadError | None = None
+        # Set by fail_requests(): new requests get this error too.
+        self._refusal: RequestFailedError | None = None
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs,
@@ -223,6 +234,23 @@ class AsyncLLMEngine:
         for listener in self._dead_listeners:
             listener()
 
+    def fail_requests(self, error: RequestFailedError) -> int:
+        """End every request in flight with `error` (each stream raises it), free their KV
+        blocks, and refuse new requests with it from now on (a server's drain deadline).
+        Returns how many requests were ended. Event loop only."""
+        self._refusal = error
+        ids = list(self._streams)
+        for stream in set(self._streams.values()):
+            if not stream.closed:
+                stream._queue.put_nowait(error)
+        for future in self._acks.values():
+            if not future.done():
+                future.set_exception(error)
+        self._acks.clear()
+        if ids:
+            self._abort(ids)
+        return len(ids)
+
     def _add(self, stream: RequestStream, request_id: str, prompt: str | None,
              prompt_token_ids: list[int], params: SamplingParams,
              arrival_time: float) -> asyncio.Future:
@@ -269,6 +297,8 @@ class RequestStream:
             raise RuntimeError("the stream is closed")
         if engine.dead_error is not None:
             raise engine.dead_error
+        if engine._refusal is not None:
+            raise engine._refusal
         ack = engine._add(self, request_id, prompt, list(prompt_token_ids), params,
                           arrival_time if arrival_time is not None else time.monotonic())
         # Before waiting: if we are cancelled while waiting, close() still aborts it.

@@ -5,3 +5,5 @@ defaults below without loading FastAPI."""
 DEFAULT_MAX_NUM_QUEUED_REQUESTS = 1024
 # Bytes; a 128K-token prompt sent as JSON token ids fits.
 DEFAULT_MAX_REQUEST_BODY_SIZE = 4 << 20
+# Seconds running requests get to finish after SIGTERM/SIGINT (--shutdown-timeout).
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0

@@ -1,7 +1,7 @@
 """`pagedlm serve`: the FastAPI app and the uvicorn server around an AsyncLLMEngine.
 
-    CORS (only with --allowed-origins) -> API key (all but /health) -> body size limit
-      -> FastAPI routes -> Serving* -> AsyncLLMEngine (frontend) ==pipe==> engine core process
+    drain (503 once shutting down) -> CORS (only with --allowed-origins)
+      -> API key (all but /health) -> body size limit -> FastAPI routes -> Serving* -> AsyncLLMEngine (frontend) ==pipe==> engine core process
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from pagedlm.entrypoints.openai.errors import (
     error_response,
     install_exception_handlers,
 )
+from pagedlm.entrypoints.openai.http_protocol import openai_http_protocol
+from pagedlm.entrypoints.openai.lifecycle import DrainingServer, DrainMiddleware
 from pagedlm.entrypoints.openai.metrics import ServerMetrics
 from pagedlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -230,9 +232,11 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     logger.info("OpenAI-compatible API at http://%s:%d/v1 (API key %s, CORS %s)", url_host,
                 args.port, "required" if args.api_key else "off",
                 ", ".join(args.allowed_origins) if args.allowed_origins else "off")
-    config = uvicorn.Config(app, host=host, port=args.port, log_level=args.uvicorn_log_level,
-                            timeout_graceful_shutdown=5, server_header=False)
-    server = uvicorn.Server(config)
+    drain = DrainMiddleware(app)
+    config = uvicorn.Config(drain, host=host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, server_header=False,
+                            http=openai_http_protocol())  # malformed HTTP: an OpenAI 400
+    server = DrainingServer(config, drain, engine, args.shutdown_timeout)
 
     def exit_later() -> None:
         # /health answers 503 meanwhile, so a supervisor sees why the server goes away.
@@ -245,5 +249,5 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         server.run()
     finally:
         engine.shutdown()  # also when the lifespan never ran (the port was taken)
-    return 1 if engine.dead_error is not None else 0
+    return 1 if engine.dead_error is not None or server.forced else 0
 

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedlm.engine.async_engine import EngineDeadError, QueueFullError
+from pagedlm.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,18 @@ def error_response(status_code: int, message: str, param: str | None = None,
                    headers: Mapping[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error_body(status_code, message, param, code), status_code=status_code,
                         headers=dict(headers or {}))
+
+
+# Status of a request the engine ended with an error, by its code (others: 500).
+_FAILED_STATUS = {"server_shutting_down": 503}
+# Retry-After seconds while the server drains: its replacement is usually up by then.
+SHUTDOWN_RETRY_AFTER_S = 5
+
+
+def failed_request_error(exc: RequestFailedError) -> APIError:
+    status = _FAILED_STATUS.get(exc.code, 500)
+    headers = {"Retry-After": str(SHUTDOWN_RETRY_AFTER_S)} if status == 503 else None
+    return APIError(status, str(exc), code=exc.code, headers=headers)
 
 
 def queue_full_error(exc: QueueFullError) -> APIError:
@@ -118,6 +130,11 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(QueueFullError)
     async def _queue_full(_: Request, exc: QueueFullError) -> JSONResponse:
         err = queue_full_error(exc)
+        return error_response(err.status_code, err.message, code=err.code, headers=err.headers)
+
+    @app.exception_handler(RequestFailedError)
+    async def _request_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        err = failed_request_error(exc)
         return error_response(err.status_code, err.message, code=err.code, headers=err.headers)
 
     @app.exception_handler(EngineDeadError)

@@ -19,9 +19,16 @@ from pagedlm.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
     QueueFullError,
+    RequestFailedError,
     RequestStream,
 )
-from pagedlm.entrypoints.openai.errors import APIError, bad_request, error_body, queue_full_error
+from pagedlm.entrypoints.openai.errors import (
+    APIError,
+    bad_request,
+    error_body,
+    failed_request_error,
+    queue_full_error,
+)
 from pagedlm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedlm.sampling_params import SamplingParams
 
@@ -239,6 +246,8 @@ async def run_until_disconnect(work: Awaitable[T], receive: Receive) -> T:
 
 def stream_error_event(exc: BaseException) -> str:
     """An error that happens after the 200 and the first chunks went out, as an SSE event."""
+    if isinstance(exc, RequestFailedError):
+        exc = failed_request_error(exc)
     if isinstance(exc, APIError):
         body = error_body(exc.status_code, exc.message, exc.param, exc.code)
     elif isinstance(exc, EngineDeadError):

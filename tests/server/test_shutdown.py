@@ -1,0 +1,143 @@
+"""SIGTERM/SIGINT drain the server: new requests get 503 + Retry-After and /health 503 at
+once, running requests finish, and at --shutdown-timeout the ones left are ended with an
+OpenAI error (a stream: an error event, then [DONE]). Every request gets an answer; the
+process exits 0."""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+
+import pytest
+
+from tests.server.conftest import TINY_ARGS, TINY_NAME, ServerProcess
+
+httpx = pytest.importorskip("httpx")
+
+
+class Call(threading.Thread):
+    """One completion request on its own thread, recording what came back."""
+
+    def __init__(self, url: str, stream: bool, max_tokens: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.stream = url, stream
+        self.body = {"model": TINY_NAME, "prompt": "Once upon a time", "max_tokens": max_tokens,
+                     "ignore_eos": True, "stream": stream}
+        self.status: int | None = None
+        self.events: list[str] = []
+        self.json: dict | None = None
+        self.started = threading.Event()  # the 200 and a first chunk, or the answer
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            with httpx.Client(base_url=self.url, timeout=120) as http:
+                if self.stream:
+                    with http.stream("POST", "/v1/completions", json=self.body) as r:
+                        self.status = r.status_code
+                        for line in r.iter_lines():
+                            if line.startswith("data: "):
+                                self.events.append(line[len("data: "):])
+                                self.started.set()
+                else:
+                    r = http.post("/v1/completions", json=self.body)
+                    self.status, self.json = r.status_code, r.json()
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            self.error = e
+        finally:
+            self.started.set()
+
+    def stream_payloads(self) -> list[dict]:
+        assert self.events and self.events[-1] == "[DONE]", self.events[-3:]
+        return [json.loads(e) for e in self.events[:-1]]
+
+
+def _start(tmp_path, model_dir: str, *extra: str) -> ServerProcess:
+    return ServerProcess([model_dir, "--served-model-name", TINY_NAME, *TINY_ARGS, *extra],
+                         tmp_path / "server.log")
+
+
+def _assert_turned_away(url: str) -> None:
+    with httpx.Client(base_url=url, timeout=10) as http:
+        r = http.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi",
+                                               "max_tokens": 2})
+        assert r.status_code == 503, r.text
+        assert r.json()["error"]["code"] == "server_shutting_down"
+        assert int(r.headers["retry-after"]) > 0
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert health.json()["error"]["code"] == "server_shutting_down"
+        assert http.get("/metrics").status_code == 200  # scrapes still see the drain
+
+
+def test_sigterm_lets_running_requests_finish(tmp_path, tiny_model_dir):
+    # One sequence at a time: the drain waits for the running request and the queued ones.
+    server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "60", "--max-num-seqs", "1")
+    try:
+        server.wait_healthy()
+        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=900) for i in range(6)]
+        for call in calls:
+            call.start()
+        assert calls[0].started.wait(60), server.log()
+        time.sleep(0.3)  # the rest are queued in the engine
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        _assert_turned_away(server.url)
+        for call in calls:
+            call.join(120)
+            assert call.error is None, call.error
+            assert call.status == 200
+            if call.stream:
+                payloads = call.stream_payloads()
+                assert not any("error" in p for p in payloads), payloads[-2:]
+                assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+            else:
+                assert call.json["choices"][0]["finish_reason"] == "length"
+                assert call.json["usage"]["completion_tokens"] == 900
+        assert server.proc.wait(60) == 0, server.log()
+        assert "drained: every request finished" in server.log()
+    finally:
+        server.stop()
+
+
+def test_shutdown_timeout_ends_the_requests_left_with_an_answer(tmp_path, tiny_model_dir):
+    # One sequence at a time: at the deadline one request runs and the others wait.
+    server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "1",
+                    "--max-num-seqs", "1")
+    try:
+        server.wait_healthy()
+        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=1000) for i in range(8)]
+        for call in calls:
+            call.start()
+        assert calls[0].started.wait(60), server.log()
+        time.sleep(0.3)  # the rest are queued in the engine
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        _assert_turned_away(server.url)
+        ended = 0  # the requests still running or queued at the deadline (~8 s of work)
+        for call in calls:
+            call.join(60)
+            assert not call.is_alive() and call.error is None, call.error
+            if call.stream:
+                assert call.status == 200
+                last = call.stream_payloads()[-1]
+                if "error" not in last:  # it finished before the deadline
+                    assert last["choices"][0]["finish_reason"] == "length"
+                    continue
+                error = last["error"]
+            else:
+                if call.status == 200:
+                    assert call.json["usage"]["completion_tokens"] == 1000
+                    continue
+                assert call.status == 503, call.json
+                error = call.json["error"]
+            assert error["code"] == "server_shutting_down", error
+            assert "shutdown timeout" in error["message"]
+            ended += 1
+        assert ended >= 2, [c.status for c in calls]
+        assert server.proc.wait(60) == 0, server.log()
+        assert "shutdown timeout: ended" in server.log()
+    finally:
+        server.stop()
