@@ -124,6 +124,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_pending_forks(self) -> int:
+        """Samples 2..n of requests whose first sample has not sampled yet."""
+        return sum(len(followers) for followers in self.pending_forks.values())
+
     # ----- one step ---------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:

@@ -251,17 +251,29 @@ class AsyncLLMEngine:
             self._abort(ids)
         return len(ids)
 
-    def _add(self, stream: RequestStream, request_id: str, prompt: str | None,
-             prompt_token_ids: list[int], params: SamplingParams,
-             arrival_time: float) -> asyncio.Future:
-        request = self.frontend.make_request(request_id, prompt, params, prompt_token_ids,
-                                             RequestOutputKind.DELTA, arrival_time)
+    def _add(self, stream: RequestStream, prompts: list[tuple[str, str | None, list[int]]],
+             params: SamplingParams, arrival_time: float) -> list[asyncio.Future]:
+        """Register and submit one request per (request_id, prompt, token ids), all or none:
+        the core queues them together or rejects them together."""
+        requests = []
+        try:
+            for request_id, prompt, prompt_token_ids in prompts:
+                requests.append(self.frontend.make_request(
+                    request_id, prompt, params, prompt_token_ids, RequestOutputKind.DELTA,
+                    arrival_time))
+        except BaseException:
+            for request in requests:
+                self.frontend.forget(request.request_id)
+            raise
         assert self._loop is not None
-        ack = self._loop.create_future()
-        self._acks[request_id] = ack
-        self._streams[request_id] = stream
-        self.client.submit(AddCommand(request))
-        return ack
+        acks = []
+        for request in requests:
+            ack = self._loop.create_future()
+            self._acks[request.request_id] = ack
+            self._streams[request.request_id] = stream
+            acks.append(ack)
+        self.client.submit(AddCommand(*requests))
+        return acks
 
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
@@ -292,6 +304,12 @@ class RequestStream:
                   params: SamplingParams, arrival_time: float | None = None) -> None:
         """Add a request; returns once the core accepted it. Raises ValueError for
         invalid input, QueueFullError, EngineDeadError."""
+        await self.add_many([(request_id, prompt, prompt_token_ids)], params, arrival_time)
+
+    async def add_many(self, prompts: Sequence[tuple[str, str | None, Sequence[int]]],
+                       params: SamplingParams, arrival_time: float | None = None) -> None:
+        """Add one request per (request_id, prompt text or None, prompt token ids), all
+        or none: if the queue cannot take them all, none is queued (QueueFullError)."""
         engine = self._engine
         if self.closed:
             raise RuntimeError("the stream is closed")
@@ -299,18 +317,19 @@ class RequestStream:
             raise engine.dead_error
         if engine._refusal is not None:
             raise engine._refusal
-        ack = engine._add(self, request_id, prompt, list(prompt_token_ids), params,
-                          arrival_time if arrival_time is not None else time.monotonic())
-        # Before waiting: if we are cancelled while waiting, close() still aborts it.
-        self._unfinished.add(request_id)
-        self.index_of[request_id] = len(self.index_of)
-        try:
-            await ack
-        except asyncio.CancelledError:
-            raise
-        except BaseException:
-            self._unfinished.discard(request_id)
-            raise
+        entries = [(request_id, prompt, list(ids)) for request_id, prompt, ids in prompts]
+        acks = engine._add(self, entries, params,
+                           arrival_time if arrival_time is not None else time.monotonic())
+        # Before waiting: if we are cancelled while waiting, close() still aborts them.
+        for request_id, _, _ in entries:
+            self._unfinished.add(request_id)
+            self.index_of[request_id] = len(self.index_of)
+        await asyncio.wait(acks)
+        errors = [ack.exception() for ack in acks if ack.exception() is not None]
+        if errors:
+            for request_id, _, _ in entries:
+                self._unfinished.discard(request_id)
+            raise errors[0]
 
     def __aiter__(self) -> RequestStream:
         return self

@@ -243,6 +243,10 @@ class EngineCore:
         if not live:
             del self._live_seqs[request_id]
 
+    def num_waiting_sequences(self) -> int:
+        """Sequences not yet scheduled: the waiting queue and the samples waiting to fork."""
+        return self.scheduler.num_waiting + self.scheduler.num_pending_forks
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 

@@ -41,7 +41,19 @@ _SHUTDOWN_TIMEOUT_S = 20.0
 
 @dataclass
 class AddCommand:
-    request: CoreRequest | CoreBeamRequest
+    """Queue requests, all or none (the prompts of one API call)."""
+
+    requests: list[CoreRequest | CoreBeamRequest]
+
+    def __init__(self, *requests: CoreRequest | CoreBeamRequest) -> None:
+        self.requests = list(requests)
+
+
+def num_sequences(request: CoreRequest | CoreBeamRequest) -> int:
+    """What a request adds to the waiting queue: its samples (n, or best_of), its beams."""
+    if isinstance(request, CoreRequest):
+        return len(request.seeds)
+    return request.params.beam_width
 
 
 @dataclass
@@ -112,28 +124,44 @@ def _apply(core: EngineCore, command: object, message: CoreMessage,
     elif isinstance(command, FinishCommand):
         core.finish_sequences(command.seq_ids)
     elif isinstance(command, AddCommand):
-        request = command.request
-        limit = max_num_queued_requests
-        num_waiting = core.scheduler.num_waiting
-        if limit is not None and num_waiting >= limit:
-            message.acks.append(Ack(request.request_id, "queue_full",
-                                    f"the server is busy: {num_waiting} requests are waiting "
-                                    f"(--max-num-queued-requests {limit}); retry later"))
+        _add_all(core, command.requests, message, max_num_queued_requests)
+    else:
+        raise TypeError(f"unknown core command {command!r}")
+
+
+def _add_all(core: EngineCore, requests: list[CoreRequest | CoreBeamRequest],
+             message: CoreMessage, max_num_queued_requests: int | None) -> None:
+    """Queue every request or none; one ack per request either way."""
+    ids = [r.request_id for r in requests]
+
+    def reject(kind: str, text: str) -> None:
+        message.acks.extend(Ack(request_id, kind, text) for request_id in ids)
+
+    limit = max_num_queued_requests
+    if limit is not None:
+        waiting = core.num_waiting_sequences()
+        needed = sum(num_sequences(r) for r in requests)
+        if waiting + needed > limit:
+            reject("queue_full", f"the server is busy: {waiting} sequences are waiting and this "
+                   f"request adds {needed} (--max-num-queued-requests {limit}); retry later")
             return
-        try:
+    added: list[str] = []
+    try:
+        for request in requests:
             if isinstance(request, CoreBeamRequest):
                 core.add_beam_request(request)
             else:
                 core.add_request(request)
-        except ValueError as e:
-            message.acks.append(Ack(request.request_id, "invalid", str(e)))
-        except Exception as e:  # a bug, not bad input: fail this request, keep serving
-            logger.exception("add_request(%s) failed", request.request_id)
-            message.acks.append(Ack(request.request_id, "internal", f"{type(e).__name__}: {e}"))
-        else:
-            message.acks.append(Ack(request.request_id))
+            added.append(request.request_id)
+    except ValueError as e:
+        core.abort_requests(added)
+        reject("invalid", str(e))
+    except Exception as e:  # a bug, not bad input: fail this request, keep serving
+        logger.exception("add_request(%s) failed", ", ".join(ids))
+        core.abort_requests(added)
+        reject("internal", f"{type(e).__name__}: {e}")
     else:
-        raise TypeError(f"unknown core command {command!r}")
+        message.acks.extend(Ack(request_id) for request_id in ids)
 
 
 def _drain(commands: queue.SimpleQueue, block: bool) -> list:

@@ -150,6 +150,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     from pagedlm.entrypoints.openai import (
         DEFAULT_MAX_NUM_QUEUED_REQUESTS,
         DEFAULT_MAX_REQUEST_BODY_SIZE,
+        DEFAULT_MAX_TOKENS,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
     )
 
@@ -171,6 +172,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="largest request body in bytes (suffixes K/M/G); larger is a 413")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                    help="reuse the KV blocks of shared prompt prefixes (default: the engine's)")
+    g.add_argument("--max-tokens-default", type=int, default=DEFAULT_MAX_TOKENS,
+                   help="max_tokens of a request that sets none (chat; completions with "
+                        "max_tokens null), or less if the context has less room left")
     g.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before "
                         "they are ended with an error (new requests get 503 meanwhile; a "
@@ -188,6 +192,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-num-queued-requests must be >= 1, got {args.max_num_queued_requests}")
     if args.max_request_body_size < 1:
         raise ValueError(f"--max-request-body-size must be >= 1, got {args.max_request_body_size}")
+    if args.max_tokens_default < 1:
+        raise ValueError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return run_server(args, engine_kwargs(args))

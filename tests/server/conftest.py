@@ -35,8 +35,8 @@ class ServerProcess:
     """`python -m pagedlm.entrypoints.cli serve ...` (the `pagedlm` script's entry point)."""
 
     def __init__(self, args: list[str], log_path: Path, api_key: str | None = None,
-                 env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+                 env: dict[str, str] | None = None, port: int | None = None) -> None:
+        self.port = port or free_port()
         self.url = f"http://{HOST}:{self.port}"
         self.api_key = api_key
         self.log_path = log_path
@@ -141,10 +141,10 @@ def server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def busy_server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
     """One running sequence, one waiting: the third concurrent request gets a 503. No API
-    key; CORS allowed for one origin."""
+    key; CORS allowed for one origin; 7 tokens for a request without max_tokens."""
     yield from _start(tmp_path_factory, "busy", [
         tiny_model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME,
-        "--max-num-seqs", "1", "--max-num-queued-requests", "1",
+        "--max-num-seqs", "1", "--max-num-queued-requests", "1", "--max-tokens-default", "7",
         "--allowed-origins", '["http://ok.example"]',
     ])
 
@@ -174,6 +174,87 @@ def http(server):
 
     with httpx.Client(base_url=server.url, headers=server.headers, timeout=60) as c:
         yield c
+
+
+class _CheckedStream:
+    """A response body stream that checks the whole body against OpenAI's schema for its
+    endpoint once it has been read to the end."""
+
+    def __init__(self, inner, path: str, status: int, content_type: str) -> None:
+        self.inner, self.path, self.status, self.content_type = inner, path, status, content_type
+        self.chunks: list[bytes] = []
+        self.done = False
+
+    def _check(self) -> None:
+        from tests.server.openai_schema import check_server_response
+
+        if not self.done:
+            self.done = True
+            check_server_response(self.path, self.status, self.content_type,
+                                  b"".join(self.chunks))
+
+    def _check_if_complete(self) -> None:
+        # A reader may close an event stream as soon as it has [DONE], before the end.
+        if b"".join(self.chunks[-2:]).endswith(b"data: [DONE]\n\n"):
+            self._check()
+
+    def __iter__(self):
+        for chunk in self.inner:
+            self.chunks.append(chunk)
+            yield chunk
+        self._check()
+
+    async def __aiter__(self):
+        async for chunk in self.inner:
+            self.chunks.append(chunk)
+            yield chunk
+        self._check()
+
+    def close(self) -> None:
+        self.inner.close()
+        self._check_if_complete()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+        self._check_if_complete()
+
+
+def _checked(httpx_module, request, response):
+    if request.url.host != HOST:
+        return response
+    stream = _CheckedStream(response.stream, request.url.path, response.status_code,
+                            response.headers.get("content-type", ""))
+    stream_type = (httpx_module.AsyncByteStream if hasattr(response.stream, "__aiter__")
+                   else httpx_module.SyncByteStream)
+    stream.__class__ = type("CheckedStream", (_CheckedStream, stream_type), {})
+    return httpx_module.Response(response.status_code, headers=response.headers, stream=stream,
+                                 extensions=response.extensions, request=request)
+
+
+@pytest.fixture(autouse=True)
+def _openai_schema_checks(monkeypatch):
+    """Every response a server test reads from a test server is checked against OpenAI's
+    published schema: through httpx, and through the `openai` client (httpx2 in the
+    versions that ship it)."""
+    import importlib
+
+    for name in ("httpx", "httpx2"):
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        sync_handle = module.HTTPTransport.handle_request
+        async_handle = module.AsyncHTTPTransport.handle_async_request
+
+        def handle_request(self, request, _m=module, _h=sync_handle):
+            return _checked(_m, request, _h(self, request))
+
+        async def handle_async_request(self, request, _m=module, _h=async_handle):
+            return _checked(_m, request, await _h(self, request))
+
+        monkeypatch.setattr(module.HTTPTransport, "handle_request", handle_request)
+        monkeypatch.setattr(module.AsyncHTTPTransport, "handle_async_request",
+                            handle_async_request)
 
 
 def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:

@@ -129,3 +129,75 @@ def validate_error(body: Any, status: int | None = None) -> None:
     if status is not None:
         assert 400 <= status < 600, f"error body returned with HTTP status {status}"
     validate_openai("ErrorResponse", body)
+
+
+# ----- every response of the server tests --------------------------------------------------
+#
+# tests/server/conftest.py patches httpx's transports (which the `openai` client uses too)
+# so that each response from a test server is checked against the schema of its endpoint
+# once its body has been read. A test that stops reading a stream early is not checked.
+
+_JSON_SCHEMAS = {
+    "/v1/chat/completions": "CreateChatCompletionResponse",
+    "/v1/completions": "CreateCompletionResponse",
+    "/v1/models": "ListModelsResponse",
+}
+_STREAM_SCHEMAS = {
+    "/v1/chat/completions": "CreateChatCompletionStreamResponse",
+    "/v1/completions": "CreateCompletionResponse",
+}
+
+
+def _completion_exemptions(body: dict, streamed: bool) -> dict:
+    """Two places where OpenAI's own legacy completions API answers outside its published
+    schema, and so do we (as vLLM does):
+    - a streamed completion chunk is published as CreateCompletionResponse, whose
+      `finish_reason` has no null, yet every chunk before the last has null there;
+    - with echo and logprobs, the prompt's first token has no logprob: null in
+      `token_logprobs` and `top_logprobs`.
+    The copy returned fills exactly those nulls; everything else is checked as published.
+    """
+    body = json.loads(json.dumps(body))
+    for choice in body.get("choices") or ():
+        if isinstance(choice, dict):
+            if streamed and choice.get("finish_reason", "absent") is None:
+                choice["finish_reason"] = "length"
+            logprobs = choice.get("logprobs")
+            if isinstance(logprobs, dict):
+                for key, filler in (("token_logprobs", 0.0), ("top_logprobs", {})):
+                    values = logprobs.get(key)
+                    if isinstance(values, list) and values and values[0] is None:
+                        values[0] = filler
+    return body
+
+
+def check_server_response(path: str, status: int, content_type: str, body: bytes) -> None:
+    """Assert one response of the OpenAI endpoints matches OpenAI's published schema."""
+    media_type = content_type.split(";", 1)[0].strip().lower()
+    if status >= 400:
+        if media_type == "application/json" and path not in ("/health",):
+            validate_error(json.loads(body), status)
+        return
+    if status != 200:
+        return
+    if media_type == "text/event-stream" and path in _STREAM_SCHEMAS:
+        for line in body.decode().splitlines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                validate_error(event)
+            elif path == "/v1/completions":
+                validate_openai(_STREAM_SCHEMAS[path], _completion_exemptions(event, True))
+            else:
+                validate_openai(_STREAM_SCHEMAS[path], event)
+        return
+    if media_type != "application/json":
+        return
+    if path in _JSON_SCHEMAS:
+        data = json.loads(body)
+        if path == "/v1/completions":
+            data = _completion_exemptions(data, False)
+        validate_openai(_JSON_SCHEMAS[path], data)
+    elif path.startswith("/v1/models/"):
+        validate_openai("Model", json.loads(body))

@@ -88,6 +88,46 @@ def test_waiting_queue_is_bounded(tiny_llama_dir):
     asyncio.run(main())
 
 
+def test_a_group_is_queued_whole_or_not_at_all(tiny_llama_dir):
+    """The queue bound counts sequences (n samples each) and an API call's prompts are
+    queued together: if they do not all fit, none is queued."""
+    async def main() -> None:
+        engine = AsyncLLMEngine(_engine(tiny_llama_dir, max_num_seqs=1),
+                                max_num_queued_requests=4)
+        engine.start()
+        long = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False)
+        pair = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False, n=2)
+        streams = [engine.open_stream() for _ in range(4)]
+        try:
+            await streams[0].add("running", None, PROMPT, long)
+            await streams[0].__anext__()  # scheduled: it holds the only running slot
+            await streams[1].add("waiting", None, PROMPT, pair)  # 2 sequences wait
+            # 2 + 2 x 2 > 4: neither prompt is queued.
+            with pytest.raises(QueueFullError, match="2 sequences are waiting"):
+                await streams[2].add_many([("g-0", None, PROMPT), ("g-1", None, PROMPT)],
+                                          pair)
+            await _wait_until(lambda: engine.stats.num_requests_waiting == 1)
+            assert not streams[2]._unfinished
+            # 2 + 2 fits: both are queued.
+            await streams[3].add_many([("h-0", None, PROMPT), ("h-1", None, PROMPT[::-1])],
+                                      long)
+            assert streams[3].index_of == {"h-0": 0, "h-1": 1}
+            # One invalid prompt: the other is not queued either.
+            with pytest.raises(ValueError, match="maximum context length"):
+                await engine.open_stream().add_many(
+                    [("ok", None, PROMPT), ("too-long", None, [1] * 300)], long)
+            assert not engine.frontend.output_processor.has_request("ok")
+        finally:
+            for s in streams:
+                s.close()
+            await _wait_until(lambda: engine.stats.num_requests_waiting == 0
+                              and engine.stats.num_requests_running == 0)
+            assert engine.stats.num_blocks_free == engine.stats.num_blocks_total
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def test_core_process_matches_offline_and_frees_blocks(tiny_llama_dir):
     """The same through the engine core in its own process: token for token the offline
     engine's outputs (n=2 and a stop token id), and an abort frees every block."""

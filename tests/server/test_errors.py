@@ -72,6 +72,29 @@ def _server_survives(server):
     (CHAT, chat(tools=[{"type": "function"}]), "tools"),
     (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
     (CHAT, chat(repetition_penalty=0), "repetition_penalty"),
+    # Strict types, as OpenAI checks them: nothing is coerced.
+    (COMPLETIONS, completion(max_tokens="4"), "max_tokens"),
+    (COMPLETIONS, completion(stream="yes"), "stream"),
+    (COMPLETIONS, completion(stream=1), "stream"),
+    (COMPLETIONS, completion(prompt=[True, 5]), "prompt"),
+    (COMPLETIONS, completion(prompt=[[1, False]]), "prompt"),
+    (COMPLETIONS, completion(n=True), "n"),
+    (COMPLETIONS, completion(temperature="0.5"), "temperature"),
+    (COMPLETIONS, completion(echo="true"), "echo"),
+    (CHAT, chat(max_completion_tokens=2.0), "max_completion_tokens"),
+    (CHAT, chat(logprobs=1), "logprobs"),
+    (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages"),
+    (CHAT, chat(stop_token_ids=[True]), "stop_token_ids"),
+    # Limits: a 64-bit seed, the vocabulary (49152 tokens here).
+    (COMPLETIONS, completion(seed=2**63), "seed"),
+    (COMPLETIONS, completion(seed=-(2**63) - 1), "seed"),
+    (COMPLETIONS, completion(stop_token_ids=[49152]), "stop_token_ids"),
+    (CHAT, chat(stop_token_ids=[0, 10**12]), "stop_token_ids"),
+    (COMPLETIONS, completion(top_k=49153), "top_k"),
+    (CHAT, chat(top_k=-2), "top_k"),
+    (COMPLETIONS, completion(min_p=1.5), "min_p"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
+    ("/detokenize", {"tokens": [1, True]}, "tokens"),
 ])
 def test_invalid_parameters_are_400(http, path, body, param):
     check_error(http.post(path, json=body), 400, param=param)
@@ -96,6 +119,25 @@ def test_invalid_parameters_are_400(http, path, body, param):
 def test_malformed_bodies_are_400(http, content, content_type):
     for path in (COMPLETIONS, CHAT, "/tokenize"):
         check_error(http.post(path, content=content, headers={"Content-Type": content_type}), 400)
+
+
+@pytest.mark.parametrize("body", [
+    completion(seed=2**63 - 1), completion(seed=-(2**63)), completion(top_k=49152),
+    completion(top_k=-1), completion(temperature=1), completion(stop_token_ids=[49151]),
+])
+def test_limits_are_inclusive(http, body):
+    assert http.post(COMPLETIONS, json=body).status_code == 200
+
+
+def test_health_head_and_declared_content_types(server, http):
+    assert http.head("/health").status_code == 200
+    spec = http.get("/openapi.json").json()["paths"]
+    for path in ("/health", "/metrics"):
+        r = http.get(path)
+        assert r.status_code == 200
+        declared = spec[path]["get"]["responses"]["200"]["content"]
+        assert r.headers["content-type"].split(";")[0] in declared, (path, declared)
+    assert http.get("/health").json() == {"status": "ok"}
 
 
 def test_escaped_null_byte_is_not_a_server_error(http):
@@ -174,3 +216,32 @@ def test_full_queue_is_503_with_retry_after(busy_server):
             assert r.headers["Retry-After"] == "1"
     busy_server.assert_alive()
     assert httpx.post(f"{busy_server.url}{COMPLETIONS}", json=completion()).status_code == 200
+
+
+def test_a_request_larger_than_the_queue_is_400(busy_server):
+    """The busy server queues one sequence: n x prompts above that can never fit."""
+    url = f"{busy_server.url}{COMPLETIONS}"
+    error = check_error(httpx.post(url, json=completion(n=2)), 400, param="n")
+    assert "queues at most 1 (--max-num-queued-requests)" in error["message"]
+    check_error(httpx.post(url, json=completion(prompt=["a", "b"])), 400, param="n")
+    check_error(httpx.post(f"{busy_server.url}{CHAT}", json=chat(n=3)), 400, param="n")
+
+
+def test_default_max_tokens_is_capped(busy_server):
+    """Without max_tokens, a reply gets --max-tokens-default tokens (7 on the busy
+    server), or what the context leaves if that is less; never a whole context."""
+    def usage(path, body):
+        r = httpx.post(f"{busy_server.url}{path}", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    body = chat(ignore_eos=True)
+    del body["max_tokens"]
+    assert usage(CHAT, body)["completion_tokens"] == 7
+    assert usage(COMPLETIONS, completion(max_tokens=None, ignore_eos=True))[
+        "completion_tokens"] == 7
+    assert usage(COMPLETIONS, completion(ignore_eos=True, max_tokens=12))[
+        "completion_tokens"] == 12  # an explicit value is not capped
+    long_prompt = [5] * 1020  # max_model_len 1024 leaves 4
+    assert usage(COMPLETIONS, completion(prompt=long_prompt, max_tokens=None, ignore_eos=True))[
+        "completion_tokens"] == 4

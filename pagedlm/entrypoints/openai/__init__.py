@@ -7,3 +7,6 @@ DEFAULT_MAX_NUM_QUEUED_REQUESTS = 1024
 DEFAULT_MAX_REQUEST_BODY_SIZE = 4 << 20
 # Seconds running requests get to finish after SIGTERM/SIGINT (--shutdown-timeout).
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+# max_tokens of a request that sets none (--max-tokens-default): a reply, not a whole
+# context of thousands of tokens by surprise. Less if the context has less room left.
+DEFAULT_MAX_TOKENS = 2048

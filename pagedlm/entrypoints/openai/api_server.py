@@ -20,11 +20,12 @@ from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import Response
 
 import pagedlm
 from pagedlm.engine.async_engine import AsyncLLMEngine
-from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE
+from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.errors import (
     bad_request,
     error_response,
@@ -41,6 +42,7 @@ from pagedlm.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    HealthResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -69,9 +71,10 @@ _STREAMING = {"content": {"text/event-stream": {}}}
 
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
-              max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE) -> FastAPI:
+              max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
+              max_tokens_default: int = DEFAULT_MAX_TOKENS) -> FastAPI:
     """The OpenAI-compatible app. Its lifespan starts and stops the engine."""
-    serving = Serving(engine, served_model_names)
+    serving = Serving(engine, served_model_names, max_tokens_default)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
     metrics = ServerMetrics(engine, serving.model_name)
@@ -98,11 +101,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
                            allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["Authorization", "Content-Type"])
 
-    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    @app.api_route("/health", methods=["GET", "HEAD"], response_model=HealthResponse,
+                   responses={503: {"model": ErrorResponse}})
     async def health() -> Response:
         if not engine.is_healthy:
             return error_response(503, "the engine is not running", code="engine_dead")
-        return Response(status_code=200)
+        return JSONResponse(HealthResponse().model_dump())
 
     @app.get("/version", response_model=VersionResponse)
     async def version() -> VersionResponse:
@@ -120,7 +124,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
         serving.check_model(model_id)
         return model_card(model_id)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"content": {"text/plain": {}},
+                              "description": "Prometheus text exposition format"}})
     async def get_metrics() -> Response:
         content, content_type = metrics.render()
         return Response(content, media_type=content_type)
@@ -140,7 +146,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
-            raise bad_request("send exactly one of prompt and messages")
+            raise bad_request("send exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             _, tokens = await serving.render_chat(body.messages, body.add_generation_prompt)
         else:
@@ -157,7 +163,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
         if bad is not None:
             raise bad_request(f"tokens contains {bad}, outside the vocabulary [0, {vocab_size})",
                               param="tokens")
-        return DetokenizeResponse(prompt=await serving.detokenize(body.tokens))
+        return DetokenizeResponse(prompt=await serving.detokenize(body.tokens, "tokens"))
 
     return app
 
@@ -221,7 +227,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     names = args.served_model_name or [
         default_served_model_name(engine_kwargs.get("model"), engine.model_path)]
     app = build_app(engine, names, api_key=args.api_key, allowed_origins=args.allowed_origins,
-                    max_request_body_size=args.max_request_body_size)
+                    max_request_body_size=args.max_request_body_size,
+                    max_tokens_default=args.max_tokens_default)
     host = args.host
     url_host = f"[{host}]" if ":" in host else host
     stats = engine.stats

@@ -3,8 +3,10 @@
 Request models forbid unknown fields: a parameter we do not implement (`tools`,
 `response_format` with a schema, ...) is a clear 400, not silently ignored output.
 Fields that do not change generation (`user`, `store`, `metadata`, ...) are accepted.
-Limits that protect the server (n, logprobs, stop strings, prompt counts) are part of
-the schema, so they also show up in /openapi.json.
+Types are strict, as OpenAI checks them: `"max_tokens": "4"`, `"stream": "yes"` or `true`
+as a token id are 400s, never coerced (an integer is accepted where a number is).
+Limits that protect the server (n, logprobs, stop strings, prompt counts) and the ranges
+SamplingParams enforces are part of the schema, so they also show up in /openapi.json.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
-from pagedlm.sampling_params import MAX_LOGPROBS
+from pagedlm.sampling_params import MAX_LOGPROBS, MAX_PENALTY
 
 # Per-request caps. Generous for real use, small enough that one request cannot
 # monopolise the engine or the tokenizer.
@@ -26,11 +28,14 @@ MAX_STOP_TOKEN_IDS = 64
 
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LENGTH)]
 TokenId = Annotated[int, Field(ge=0)]
+# OpenAI's seed is a signed 64-bit integer.
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None
 
 
 class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class ResponseModel(BaseModel):
@@ -66,20 +71,20 @@ class SamplingFields(OpenAIModel):
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    seed: Seed | None = None
     stop: Stop = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off; at most the vocabulary
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -114,7 +119,7 @@ class TextContentPart(OpenAIModel):
 class ChatMessage(BaseModel):
     # Tool-call bookkeeping fields (tool_calls, tool_call_id, ...) may come back from
     # a client that replays a history; they do not affect the template's text.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
@@ -186,6 +191,14 @@ class CompletionResponse(ResponseModel):
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
+    @model_serializer(mode="wrap")
+    def _drop_null_usage(self, handler):
+        # OpenAI's schema has usage as an object or absent, never null (stream chunks).
+        data = handler(self)
+        if data.get("usage", 0) is None:
+            del data["usage"]
+        return data
+
 
 class TopLogprob(ResponseModel):
     token: str
@@ -199,11 +212,13 @@ class ChatLogprobToken(TopLogprob):
 
 class ChatLogprobs(ResponseModel):
     content: list[ChatLogprobToken] | None = None
+    refusal: list[ChatLogprobToken] | None = None  # the model refuses nothing: always null
 
 
 class ChatResponseMessage(ResponseModel):
-    role: str = "assistant"
+    role: Literal["assistant"] = "assistant"
     content: str | None = None
+    refusal: str | None = None  # OpenAI's field for a safety refusal; never set here
 
 
 class ChatChoice(ResponseModel):
@@ -272,6 +287,10 @@ class TokenizeResponse(ResponseModel):
 
 class DetokenizeResponse(ResponseModel):
     prompt: str
+
+
+class HealthResponse(ResponseModel):
+    status: Literal["ok"] = "ok"
 
 
 class VersionResponse(ResponseModel):

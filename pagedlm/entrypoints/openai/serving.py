@@ -22,6 +22,7 @@ from pagedlm.engine.async_engine import (
     RequestFailedError,
     RequestStream,
 )
+from pagedlm.entrypoints.openai import DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -63,9 +64,13 @@ SSE_DONE = "data: [DONE]\n\n"
 class Serving:
     """Shared state and helpers of the OpenAI endpoints."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str]) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
+                 max_tokens_default: int = DEFAULT_MAX_TOKENS) -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
+        if max_tokens_default < 1:
+            raise ValueError(f"max_tokens_default must be >= 1, got {max_tokens_default}")
+        self.max_tokens_default = max_tokens_default
         self.engine = engine
         self.served_model_names = list(served_model_names)
         self.model_name = self.served_model_names[0]
@@ -86,10 +91,10 @@ class Serving:
                        f"{', '.join(self.served_model_names)}", param="model",
                        code="model_not_found")
 
-    def _require_tokenizer(self):
+    def _require_tokenizer(self, param: str = "prompt"):
         if self.tokenizer is None:
             raise bad_request("the server runs without a tokenizer (--skip-tokenizer-init): "
-                              "send prompts as token ids")
+                              "send prompts as token ids", param=param)
         return self.tokenizer
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -101,16 +106,17 @@ class Serving:
             lambda: tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         return list(encoding)
 
-    async def detokenize(self, token_ids: Sequence[int]) -> str:
-        tokenizer = self._require_tokenizer()
+    async def detokenize(self, token_ids: Sequence[int], param: str = "prompt") -> str:
+        tokenizer = self._require_tokenizer(param)
         return await self._run(lambda: tokenizer.decode(list(token_ids)))
 
     async def render_chat(self, messages: Sequence[ChatMessage],
                           add_generation_prompt: bool = True) -> tuple[str, list[int]]:
         """The chat template's text for `messages` and its token ids."""
-        tokenizer = self._require_tokenizer()
+        tokenizer = self._require_tokenizer("messages")
         if not getattr(tokenizer, "chat_template", None):
-            raise bad_request("the model's tokenizer has no chat template: use /v1/completions")
+            raise bad_request("the model's tokenizer has no chat template: use /v1/completions",
+                              param="messages")
         conversation = [_message_dict(m) for m in messages]
 
         def render() -> tuple[str, list[int]]:
@@ -133,6 +139,21 @@ class Serving:
             raise bad_request(f"{param} contains token id {bad}, outside the vocabulary "
                               f"[0, {vocab})", param=param)
 
+    def check_vocabulary_fields(self, req: SamplingFields) -> None:
+        """The sampling fields whose limit is the model's vocabulary."""
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        vocab = self.engine.vocab_size
+        if req.top_k is not None and req.top_k > vocab:
+            raise bad_request(f"top_k is {req.top_k}, more than the vocabulary of {vocab} "
+                              f"tokens; use -1 or 0 to turn top-k off", param="top_k")
+
+    def default_max_tokens(self, longest_prompt: int, min_tokens: int = 0) -> int:
+        """max_tokens for a request that sets none: --max-tokens-default, or what the context
+        leaves after the longest prompt if that is less."""
+        return max(1, min(max(self.max_tokens_default, min_tokens),
+                          self.max_model_len - longest_prompt))
+
     def check_context_length(self, num_prompt_tokens: int, max_tokens: int | None,
                              prompt_param: str, max_tokens_param: str = "max_tokens") -> None:
         """No silent truncation: a prompt that leaves no room, or prompt + max_tokens over
@@ -152,15 +173,25 @@ class Serving:
                 code="context_length_exceeded")
 
     async def start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
-                    params: SamplingParams, arrival_time: float) -> RequestStream:
-        """Add one engine request per prompt ("{request_id}-{i}"); all or nothing."""
+                    params: SamplingParams, arrival_time: float,
+                    prompt_param: str = "prompt") -> RequestStream:
+        """Add one engine request per prompt ("{request_id}-{i}"); all or nothing. What the
+        engine rejects is a 400 on `prompt_param`."""
+        limit = self.engine.max_num_queued_requests
+        needed = len(prompts) * max(params.n, params.best_of or 1)
+        if limit is not None and needed > limit:
+            raise bad_request(
+                f"this request needs {needed} sequences ({len(prompts)} prompt(s) x "
+                f"{max(params.n, params.best_of or 1)} samples) but the server queues at most "
+                f"{limit} (--max-num-queued-requests)", param="n")
         stream = self.engine.open_stream()
         try:
-            for i, (text, token_ids) in enumerate(prompts):
-                await stream.add(f"{request_id}-{i}", text, token_ids, params, arrival_time)
+            await stream.add_many([(f"{request_id}-{i}", text, token_ids)
+                                   for i, (text, token_ids) in enumerate(prompts)],
+                                  params, arrival_time)
         except ValueError as e:
             stream.close()
-            raise bad_request(str(e)) from e
+            raise bad_request(str(e), param=prompt_param) from e
         except QueueFullError as e:
             stream.close()
             raise queue_full_error(e) from e

@@ -88,10 +88,14 @@ class ChatServing:
             max_tokens, max_tokens_param = req.max_tokens, "max_tokens"
         params = build_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
                                        field_names={"max_tokens": max_tokens_param})
+        s.check_vocabulary_fields(req)
         prompt, token_ids = await s.render_chat(req.messages, req.add_generation_prompt)
         s.check_context_length(len(token_ids), max_tokens, "messages", max_tokens_param)
+        if max_tokens is None:
+            params.max_tokens = s.default_max_tokens(len(token_ids), params.min_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await s.start(request_id, [(prompt, token_ids)], params, arrival_time)
+        stream = await s.start(request_id, [(prompt, token_ids)], params, arrival_time,
+                               prompt_param="messages")
         job = _Job(request_id, model, len(token_ids), params.n, num_logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)

@@ -92,10 +92,14 @@ class CompletionServing:
         params = build_sampling_params(
             req, max_tokens=req.max_tokens, logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
+        s.check_vocabulary_fields(req)
         prompts = await self._prompts(req.prompt)
         for _, token_ids in prompts:
             s.check_token_ids(token_ids, "prompt")
             s.check_context_length(len(token_ids), req.max_tokens, "prompt")
+        if req.max_tokens is None:  # an explicit null; OpenAI's default of 16 is in the schema
+            params.max_tokens = s.default_max_tokens(max(len(ids) for _, ids in prompts),
+                                                     params.min_tokens)
         if echo:
             prompts = [(text if text is not None else await s.detokenize(ids), ids)
                        for text, ids in prompts]
