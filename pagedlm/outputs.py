@@ -47,7 +47,7 @@ class CompletionOutput:
     token_ids: list[int]
     cumulative_logprob: float | None = None
     logprobs: list[PositionLogprobs] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     def finished(self) -> bool:
@@ -65,6 +65,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Set when this request failed on its own (the batch went on): what went wrong. The
+    # output is final and its sequences have finish_reason "error".
+    error: str | None = None
 
 
 @dataclass

@@ -73,7 +73,7 @@ def run_core_process(args: EngineArgs, requests) -> float:
             assert all(a.error_kind is None for a in message.acks), message.acks
             if message.outputs is None:
                 continue
-            outputs, stopped = frontend.process(message.outputs)
+            outputs, stopped, _ = frontend.process(message.outputs)
             if stopped:
                 client.submit(FinishCommand(stopped))
             for out in outputs:

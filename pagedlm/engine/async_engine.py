@@ -199,9 +199,11 @@ class AsyncLLMEngine:
         if message.stats is not None:
             self.stats = message.stats
         if message.outputs is not None:
-            outputs, stopped = frontend.process(message.outputs)
+            outputs, stopped, failed = frontend.process(message.outputs)
             if stopped:
                 self.client.submit(FinishCommand(stopped))
+            if failed:
+                self.client.submit(AbortCommand(failed))
             self._deliver(outputs)
         if message.dead is not None:
             self._die(message.dead)
@@ -343,6 +345,8 @@ class RequestStream:
             raise item
         if item.finished:
             self._unfinished.discard(item.request_id)
+        if item.error is not None:  # this request failed alone; close() aborts the others
+            raise RequestFailedError(item.error)
         return item
 
     def close(self) -> None:

@@ -88,10 +88,13 @@ class CoreOutputs:
     scheduled_seq_ids: list[str] = field(default_factory=list)
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     beam_results: list[tuple[str, BeamSearchOutput]] = field(default_factory=list)
+    # User requests that failed on their own this step (all their sequences are ended and
+    # their blocks freed) -> what went wrong.
+    failed: dict[str, str] = field(default_factory=dict)
 
     def __bool__(self) -> bool:
         return bool(self.outputs or self.scheduled_seq_ids or self.prompt_logprobs
-                    or self.beam_results)
+                    or self.beam_results or self.failed)
 
 
 @dataclass(frozen=True)
@@ -258,6 +261,8 @@ class EngineCore:
         if sched.is_empty:
             return out
         result = self.model_executor.execute_model(sched)
+        if result.failed:  # before update_from_output, which then skips them
+            out.failed = self._fail_sequences(result.failed)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
         self.last_step = StepRecord(sched, result, updated)
         request_of = self._request_of
@@ -289,6 +294,22 @@ class EngineCore:
                 num_running=self.scheduler.num_running,
             ))
         return out
+
+    def _fail_sequences(self, failed: dict[str, str]) -> dict[str, str]:
+        """End the user requests of sequences that failed (every sample, or the whole beam
+        search) and free their blocks. Returns user request id -> message."""
+        by_request: dict[str, str] = {}
+        for seq_id, message in failed.items():
+            request_id = self._request_of.get(seq_id)
+            if request_id is None:
+                group = self.beam_search.owner.get(seq_id)
+                request_id = self.beam_search.group_ids.get(id(group)) if group else None
+            if request_id is None or request_id in by_request:
+                continue
+            logger.error("request %s failed: %s", request_id, message)
+            self.abort_requests([request_id])
+            by_request[request_id] = message
+        return by_request
 
     # ----- state -----------------------------------------------------------------------------
 

@@ -145,14 +145,24 @@ class EngineFrontend:
 
     # ----- outputs ---------------------------------------------------------------------------
 
-    def process(self, core_out: CoreOutputs) -> tuple[list[RequestOutput], list[str]]:
-        """A step's RequestOutputs, and the sequence ids a stop string finished (the core
-        must be told to stop them)."""
-        outputs, stopped = self.output_processor.process(core_out)
+    def process(self, core_out: CoreOutputs
+                ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """A step's RequestOutputs, the sequence ids a stop string finished (the core must
+        be told to stop them) and the request ids that failed in the frontend (the core
+        must be told to abort them). A request the core failed ends here with `error`."""
+        outputs, stopped, failed = self.output_processor.process(core_out)
+        for request_id, message in core_out.failed.items():
+            if request_id in self._beam_requests:
+                output = self._beam_output(request_id, None, finished_reason="error")
+                output.error = message
+            else:
+                output = self.output_processor.fail(request_id, message)
+            if output is not None:
+                outputs.append(output)
         for request_id, result in core_out.beam_results:
             if request_id in self._beam_requests:
                 outputs.append(self._beam_output(request_id, result))
-        return outputs, stopped
+        return outputs, stopped, failed
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """The final outputs of requests ended early (finish_reason "abort"); the caller

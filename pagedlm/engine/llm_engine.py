@@ -144,9 +144,11 @@ class LLMEngine:
         core_out = self.core.step()
         if not core_out:
             return []
-        outputs, stopped = self.frontend.process(core_out)
+        outputs, stopped, failed = self.frontend.process(core_out)
         if stopped:
             self.core.finish_sequences(stopped)
+        if failed:
+            self.core.abort_requests(failed)
         return outputs
 
     def shutdown(self) -> None:

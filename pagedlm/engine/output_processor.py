@@ -8,6 +8,7 @@ RequestOutput.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,8 @@ from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.model_runner import TokenLogprobs
+
+logger = logging.getLogger(__name__)
 
 
 class RequestOutputKind(enum.Enum):
@@ -96,12 +99,16 @@ class OutputProcessor:
         state = self.states.get(request_id)
         return [s.seq_id for s in state.sequences] if state else []
 
-    def process(self, core_out: CoreOutputs) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to publish and the sequence ids a stop string finished (the
-        core must stop them, which frees their blocks). Outputs of sequences this
-        processor no longer tracks (already stopped by a string, aborted) are dropped."""
+    def process(self, core_out: CoreOutputs
+                ) -> tuple[list[RequestOutput], list[str], list[str]]:
+        """Returns the outputs to publish, the sequence ids a stop string finished (the
+        core must stop them, which frees their blocks) and the request ids that failed here
+        (an exception while detokenizing one: it ends with an error, the core must abort
+        it, the other requests go on). Outputs of sequences this processor no longer
+        tracks (already stopped by a string, aborted, failed) are dropped."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        failed: dict[str, str] = {}
         seq_to_state = self.seq_to_state
         for seq_id in core_out.scheduled_seq_ids:
             entry = seq_to_state.get(seq_id)
@@ -111,54 +118,91 @@ class OutputProcessor:
             entry = seq_to_state.get(seq_id)
             if entry is None or entry[0].prompt_logprobs is None:
                 continue
-            for position, lp in rows:
-                entry[0].prompt_logprobs[position] = self._position_logprobs(lp)
+            try:
+                for position, lp in rows:
+                    entry[0].prompt_logprobs[position] = self._position_logprobs(lp)
+            except Exception as e:
+                failed[entry[0].request_id] = _describe_failure(entry[0].request_id, e)
         stopped_by_string = []
         for seq_out in core_out.outputs:
             entry = seq_to_state.get(seq_out.seq_id)
             if entry is None:
                 continue
             state, seq = entry
-            if seq.finish_reason is not None:
+            if seq.finish_reason is not None or state.request_id in failed:
                 continue  # a stop string ended it; the core computed one token more
             touched[state.request_id] = state
-            if state.metrics.first_token_time is None:
-                state.metrics.first_token_time = now
-            state.metrics.last_token_time = now
-            token_id = seq_out.token_id
-            seq.output_token_ids.append(token_id)
-            lp = seq_out.logprobs
-            if lp is not None:
-                if seq.logprobs is not None:
-                    seq.logprobs.append(self._position_logprobs(lp))
-                if seq.cumulative_logprob is not None:
-                    seq.cumulative_logprob += lp.logprob
-            if seq_out.finish_reason is not None:
-                seq.finish_reason = seq_out.finish_reason
-                seq.stop_reason = seq_out.stop_reason
-                seq.num_preemptions = seq_out.num_preemptions
-            if seq.detokenizer is not None:
-                # A stop token (EOS or stop_token_ids) is kept in token_ids but not in the text.
-                stopped_by_token = seq_out.finish_reason == "stop"
-                if not stopped_by_token or state.params.include_stop_str_in_output:
-                    stop_str = seq.detokenizer.update([token_id])
-                    if stop_str is not None:
-                        if seq.finish_reason is None:
-                            stopped_by_string.append(seq_out.seq_id)
-                        seq.finish_reason, seq.stop_reason = "stop", stop_str
-            if seq.finish_reason is not None:
-                state.finished.add(seq.index)
+            try:
+                if self._update(state, seq, seq_out, now):
+                    stopped_by_string.append((seq_out.seq_id, state.request_id))
+            except Exception as e:
+                failed[state.request_id] = _describe_failure(state.request_id, e)
         outputs = []
         for state in touched.values():
+            if state.request_id in failed:
+                continue
             if state.is_finished:
                 state.metrics.finished_time = now
                 state.metrics.num_preemptions = sum(s.num_preemptions for s in state.sequences)
-            output = self._make_output(state)
+            try:
+                output = self._make_output(state)
+            except Exception as e:
+                failed[state.request_id] = _describe_failure(state.request_id, e)
+                continue
             if output is not None:
                 outputs.append(output)
             if state.is_finished:
                 self._forget(state)
-        return outputs, stopped_by_string
+        for request_id, message in failed.items():
+            output = self.fail(request_id, message)
+            if output is not None:
+                outputs.append(output)
+        stopped = [seq_id for seq_id, request_id in stopped_by_string if request_id not in failed]
+        return outputs, stopped, list(failed)
+
+    def _update(self, state: RequestState, seq: SequenceState, seq_out, now: float) -> bool:
+        """Apply one sequence's new token. True if a stop string finished it just now."""
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        state.metrics.last_token_time = now
+        token_id = seq_out.token_id
+        seq.output_token_ids.append(token_id)
+        lp = seq_out.logprobs
+        if lp is not None:
+            if seq.logprobs is not None:
+                seq.logprobs.append(self._position_logprobs(lp))
+            if seq.cumulative_logprob is not None:
+                seq.cumulative_logprob += lp.logprob
+        if seq_out.finish_reason is not None:
+            seq.finish_reason = seq_out.finish_reason
+            seq.stop_reason = seq_out.stop_reason
+            seq.num_preemptions = seq_out.num_preemptions
+        stopped_by_string = False
+        if seq.detokenizer is not None:
+            # A stop token (EOS or stop_token_ids) is kept in token_ids but not in the text.
+            stopped_by_token = seq_out.finish_reason == "stop"
+            if not stopped_by_token or state.params.include_stop_str_in_output:
+                stop_str = seq.detokenizer.update([token_id])
+                if stop_str is not None:
+                    stopped_by_string = seq.finish_reason is None
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+        if seq.finish_reason is not None:
+            state.finished.add(seq.index)
+        return stopped_by_string
+
+    def fail(self, request_id: str, message: str) -> RequestOutput | None:
+        """End a request with an error (its own failure): a final output with `error` set
+        and finish_reason "error", without text (its detokenizer may be what failed)."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        self._forget(state)
+        state.metrics.finished_time = time.monotonic()
+        return RequestOutput(
+            request_id=request_id, prompt=state.prompt, prompt_token_ids=state.prompt_token_ids,
+            outputs=[CompletionOutput(index=i, text="", token_ids=[], finish_reason="error")
+                     for i in range(state.params.n)],
+            finished=True, metrics=state.metrics, error=message)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         state = self.states.get(request_id)
@@ -247,3 +291,9 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
         )
+
+
+def _describe_failure(request_id: str, error: Exception) -> str:
+    logger.exception("processing the output of request %s failed", request_id,
+                     exc_info=error)
+    return f"processing this request's output failed ({type(error).__name__}: {error})"

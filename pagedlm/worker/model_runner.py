@@ -7,6 +7,7 @@ prefill chunks, which is the layout `AttentionMetadata` describes.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,6 +18,8 @@ from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.sample.sampler import Sampler, compute_logprobs
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,8 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     # request id -> [(position of the predicted prompt token, its logprobs)]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    # request id -> why it could not be sampled (its own fault; the others were sampled)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -52,6 +57,22 @@ class StepInputs:
     # Prompt-logprob rows: (request id, first position, token indices into the batch,
     # target prompt token ids)
     prompt_logprob_rows: list[tuple[str, int, np.ndarray, np.ndarray]]
+
+
+def nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """Rows that cannot be sampled: NaN or +inf anywhere (max propagates NaN), or no
+    finite logit at all. One reduction over the logits."""
+    return (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+
+
+def _sampled_lists(result) -> tuple:
+    """A SamplerOutput as Python lists: token ids, then (None when no row asked for
+    logprobs) sampled logprobs, ranks, top ids, top logprobs."""
+    token_ids = result.sampled_token_ids.tolist()
+    if result.sampled_logprobs is None:
+        return token_ids, None, None, None, None
+    return (token_ids, result.sampled_logprobs.tolist(), result.sampled_ranks.tolist(),
+            result.topk_token_ids.tolist(), result.topk_logprobs.tolist())
 
 
 class ModelRunner:
@@ -215,25 +236,51 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
         if not self.is_driver:
             return out
-        batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
-        result = self.sampler(logits, batch)
-        token_ids = result.sampled_token_ids.tolist()
         req_ids = inputs.sampled_req_ids
+        bad = nonfinite_rows(logits)
+        if bad:
+            for i in bad:
+                out.failed[req_ids[i]] = ("the model produced non-finite logits (NaN or inf) "
+                                          "for this request")
+            logits = logits.clone()
+            logits[bad] = 0.0  # sampled as usual, then discarded
+        try:
+            batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
+            rows = _sampled_lists(self.sampler(logits, batch))
+        except Exception:
+            logger.exception("sampling the batch failed: sampling each request apart")
+            rows = self._sample_apart(logits, inputs, out)
+        token_ids, lps, ranks, top_ids, top_lps = rows
         out.sampled_token_ids = dict(zip(req_ids, token_ids))
-        if result.sampled_logprobs is not None:
-            lps = result.sampled_logprobs.tolist()
-            ranks = result.sampled_ranks.tolist()
-            top_ids = result.topk_token_ids.tolist()
-            top_lps = result.topk_logprobs.tolist()
+        if lps is not None:
             num_logprobs = self.input_batch.num_logprobs[inputs.sampled_rows].tolist()
             for i, req_id in enumerate(req_ids):
                 num_top = num_logprobs[i]
-                if num_top < 0:
+                if num_top < 0 or lps[i] is None:
                     continue
                 out.logprobs[req_id] = TokenLogprobs(
                     token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
                 )
         return out
+
+    def _sample_apart(self, logits: torch.Tensor, inputs: StepInputs,
+                      out: ModelRunnerOutput) -> tuple:
+        """Sample row by row, so that a request whose parameters break the sampler fails
+        alone (recorded in out.failed) while the others get their tokens."""
+        token_ids, lps, ranks, top_ids, top_lps = [], [], [], [], []
+        for i, req_id in enumerate(inputs.sampled_req_ids):
+            try:
+                batch = self.input_batch.sampling_batch(inputs.sampled_rows[i:i + 1],
+                                                        logits.device)
+                row = _sampled_lists(self.sampler(logits[i:i + 1], batch))
+            except Exception as e:
+                logger.exception("sampling request %s failed", req_id)
+                out.failed[req_id] = f"sampling failed for this request ({type(e).__name__}: {e})"
+                row = ([0], None, None, None, None)
+            token_ids.append(row[0][0])
+            for column, values in zip((lps, ranks, top_ids, top_lps), row[1:]):
+                column.append(values[0] if values is not None else None)
+        return token_ids, lps, ranks, top_ids, top_lps
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
