@@ -12,6 +12,7 @@ _EXPORTS = {
     "LLM": "pagedlm.entrypoints.llm",
     "SamplingParams": "pagedlm.sampling_params",
     "BeamSearchParams": "pagedlm.sampling_params",
+    "StructuredOutputsParams": "pagedlm.structured",
     "BeamSearchOutput": "pagedlm.outputs",
     "BeamSearchSequence": "pagedlm.outputs",
     "RequestOutput": "pagedlm.outputs",

@@ -16,6 +16,8 @@ import numbers
 from dataclasses import dataclass
 from enum import IntEnum
 
+from pagedlm.structured import StructuredOutputsParams
+
 # Most top logprobs a request may ask for, per generated or prompt token.
 MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 64
@@ -89,6 +91,8 @@ class SamplingParams:
     # width is best_of or n; the n best beams are returned.
     use_beam_search: bool = False
     length_penalty: float = 1.0
+    # Constrain the output to a JSON schema, regex, choice or grammar (pagedlm.structured).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.n = _as_int("n", self.n)
@@ -171,6 +175,13 @@ class SamplingParams:
             if (self.best_of or self.n) > MAX_BEAM_WIDTH:
                 raise ValueError(f"beam width (best_of or n) must be <= {MAX_BEAM_WIDTH}, got "
                                  f"{self.best_of or self.n}")
+
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                                 f"{type(self.structured_outputs).__name__}")
+            if self.use_beam_search:
+                raise ValueError("use_beam_search does not combine with structured_outputs")
 
         if self.is_greedy:
             self.top_p = 1.0

@@ -91,6 +91,9 @@ class SchedulerOutput:
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
     # Prompt tokens computed by this step (for statistics; workers ignore it).
     num_prompt_tokens: int = 0
+    # Structured outputs: the token bitmask of the constrained sequences that sample at
+    # this step (a structured.PendingBitmask, filled while the forward runs).
+    grammar_bitmask: object | None = None
 
     @property
     def is_empty(self) -> bool:

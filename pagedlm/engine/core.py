@@ -30,6 +30,7 @@ from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
 from pagedlm.outputs import BeamSearchOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
+from pagedlm.structured import StructuredOutputManager
 from pagedlm.worker.model_runner import ModelRunnerOutput, TokenLogprobs
 from pagedlm.worker.worker import model_max_len
 
@@ -77,6 +78,9 @@ class SeqOutput:
     finish_reason: str | None = None  # "stop" (a stop token), "length"
     stop_reason: int | None = None  # the stop token id, if it was one of stop_token_ids
     num_preemptions: int = 0
+    # "stop" because its structured-output grammar is complete: the last token is text
+    # (not a stop token to hide).
+    grammar_done: bool = False
 
 
 @dataclass
@@ -121,7 +125,8 @@ class EngineCore:
     """Everything between token ids in and token ids out. Not thread-safe: one thread
     (the caller's, the engine thread, or the core process's) calls it."""
 
-    def __init__(self, args: EngineArgs, source, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, args: EngineArgs, source, eos_token_ids: tuple[int, ...],
+                 tokenizer=None) -> None:
         self.args = args
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids
@@ -160,12 +165,22 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
+
+        def load_tokenizer():  # structured outputs only; the frontend's if it is here
+            from pagedlm.loader.model_loader import load_tokenizer_for
+
+            return tokenizer if tokenizer is not None else load_tokenizer_for(source,
+                                                                              args.tokenizer)
+
+        self.structured = StructuredOutputManager(load_tokenizer, self.hf_config.vocab_size,
+                                                  eos_token_ids)
         self.info = CoreInfo(max_model_len=self.max_model_len,
                              vocab_size=self.hf_config.vocab_size, device=str(self.device),
                              num_blocks=num_blocks, block_size=spec.block_size)
         # user request id -> its live sequence ids; sequence id -> user request id
         self._live_seqs: dict[str, set[str]] = {}
         self._request_of: dict[str, str] = {}
+        self._grammar_done: set[str] = set()
         self._num_steps = 0
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
@@ -203,12 +218,22 @@ class EngineCore:
                     cache_salt=request.cache_salt)
             for seq_id, seed in zip(seq_ids, request.seeds)
         ]
-        self.scheduler.add_request(sequences[0])
+        structured = request.params.structured_outputs
+        if structured is not None:  # compiles the grammar: a ValueError leaves nothing behind
+            self.structured.add(seq_ids, structured)
+        try:
+            self.scheduler.add_request(sequences[0])
+        except ValueError:
+            for seq_id in seq_ids:
+                self.structured.remove(seq_id)
+            raise
         if len(sequences) > 1:
             try:
                 self.scheduler.add_forked_requests(sequences[0], sequences[1:])
             except ValueError:
                 self.scheduler.finish_requests([seq_ids[0]], RequestStatus.FINISHED_ABORTED)
+                for seq_id in seq_ids:
+                    self.structured.remove(seq_id)
                 raise
         self._live_seqs[request.request_id] = set(seq_ids)
         for seq_id in seq_ids:
@@ -228,6 +253,7 @@ class EngineCore:
             seq_ids = self._live_seqs.pop(request_id, ())
             for seq_id in seq_ids:
                 del self._request_of[seq_id]
+                self.structured.remove(seq_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_sequences(self, seq_ids: Iterable[str]) -> None:
@@ -238,6 +264,7 @@ class EngineCore:
             self._forget_sequence(seq_id)
 
     def _forget_sequence(self, seq_id: str) -> None:
+        self.structured.remove(seq_id)
         request_id = self._request_of.pop(seq_id, None)
         if request_id is None:
             return
@@ -257,13 +284,18 @@ class EngineCore:
 
     def step(self) -> CoreOutputs:
         out = CoreOutputs()
+        self._grammar_done.clear()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return out
+        if len(self.structured):
+            sched.grammar_bitmask = self.structured.bitmask_for(self._sampling_seq_ids(sched))
         result = self.model_executor.execute_model(sched)
         if result.failed:  # before update_from_output, which then skips them
             out.failed = self._fail_sequences(result.failed)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        if len(self.structured):
+            out.failed.update(self._advance_matchers(updated))
         self.last_step = StepRecord(sched, result, updated)
         request_of = self._request_of
         out.scheduled_seq_ids = [r.req_id for r in sched.new_reqs if r.req_id in request_of]
@@ -278,6 +310,7 @@ class EngineCore:
                 seq_out.finish_reason = request.get_finish_reason()
                 seq_out.stop_reason = request.stop_reason
                 seq_out.num_preemptions = request.num_preemptions
+                seq_out.grammar_done = seq_id in self._grammar_done
                 self._forget_sequence(seq_id)
             out.outputs.append(seq_out)
         if self.beam_search.has_groups():
@@ -294,6 +327,33 @@ class EngineCore:
                 num_running=self.scheduler.num_running,
             ))
         return out
+
+    def _sampling_seq_ids(self, sched: SchedulerOutput) -> list[str]:
+        """The sequences that sample a token at this step (a prompt's last chunk, a decode,
+        the samples forked from a leader)."""
+        requests = self.scheduler.requests
+        ids = [rid for rid, num in sched.num_scheduled_tokens.items()
+               if (r := requests.get(rid)) is not None
+               and r.num_computed_tokens + num >= r.num_tokens]
+        ids += [f.req_id for followers in sched.fork_reqs.values() for f in followers]
+        return ids
+
+    def _advance_matchers(self, updated: list[Request]) -> dict[str, str]:
+        """Feed each constrained sequence's new token to its matcher: a finished grammar
+        stops the sequence (listed in self._grammar_done for this step's outputs); a
+        matcher error fails its request (returned)."""
+        failed: dict[str, str] = {}
+        for request in updated:
+            seq_id = request.request_id
+            if seq_id not in self.structured:
+                continue
+            done, error = self.structured.consume(seq_id, request.output_token_ids[-1])
+            if error is not None:
+                failed[seq_id] = error
+            elif done and not request.is_finished():
+                self.scheduler.finish_requests([seq_id], RequestStatus.FINISHED_STOPPED)
+                self._grammar_done.add(seq_id)
+        return self._fail_sequences(failed) if failed else {}
 
     def _fail_sequences(self, failed: dict[str, str]) -> dict[str, str]:
         """End the user requests of sequences that failed (every sample, or the whole beam

@@ -43,7 +43,7 @@ class LLMEngine:
         source, self.tokenizer, self.eos_token_ids = load_frontend_parts(args)
         self.model_path = source.path
         self.hf_config = source.hf_config
-        self.core = EngineCore(args, source, self.eos_token_ids)
+        self.core = EngineCore(args, source, self.eos_token_ids, self.tokenizer)
         self.frontend = EngineFrontend(self.tokenizer, self.core.info, args.seed)
         self.load_time_s = time.perf_counter() - t0
         log_engine(self.core, self.model_path, self.load_time_s)

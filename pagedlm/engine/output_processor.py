@@ -180,7 +180,7 @@ class OutputProcessor:
         stopped_by_string = False
         if seq.detokenizer is not None:
             # A stop token (EOS or stop_token_ids) is kept in token_ids but not in the text.
-            stopped_by_token = seq_out.finish_reason == "stop"
+            stopped_by_token = seq_out.finish_reason == "stop" and not seq_out.grammar_done
             if not stopped_by_token or state.params.include_stop_str_in_output:
                 stop_str = seq.detokenizer.update([token_id])
                 if stop_str is not None:

@@ -16,6 +16,7 @@ import torch
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.sample.sampler import Sampler, compute_logprobs
+from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
 
@@ -244,6 +245,8 @@ class ModelRunner:
                                           "for this request")
             logits = logits.clone()
             logits[bad] = 0.0  # sampled as usual, then discarded
+        if sched.grammar_bitmask is not None:
+            self._apply_grammar(logits, req_ids, sched.grammar_bitmask)
         try:
             batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
             rows = _sampled_lists(self.sampler(logits, batch))
@@ -262,6 +265,17 @@ class ModelRunner:
                     token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
                 )
         return out
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, req_ids: list[str], pending) -> None:
+        """Structured outputs: tokens the grammar forbids get -inf (waits for the masks,
+        which were filled while the forward ran)."""
+        bitmask = pending.result()
+        pairs = [(i, pending.rows[r]) for i, r in enumerate(req_ids) if r in pending.rows]
+        if not pairs:
+            return
+        rows = torch.tensor([i for i, _ in pairs], device=logits.device)
+        apply_bitmask(logits, rows, bitmask[torch.tensor([j for _, j in pairs])])
 
     def _sample_apart(self, logits: torch.Tensor, inputs: StepInputs,
                       out: ModelRunnerOutput) -> tuple:

@@ -1,7 +1,7 @@
 """Pydantic models of the OpenAI API (the subset pagedlm serves) plus vLLM's extra fields.
 
-Request models forbid unknown fields: a parameter we do not implement (`tools`,
-`response_format` with a schema, ...) is a clear 400, not silently ignored output.
+Request models forbid unknown fields: a parameter we do not implement (`tools`, ...) is a
+clear 400, not silently ignored output.
 Fields that do not change generation (`user`, `store`, `metadata`, ...) are accepted.
 Types are strict, as OpenAI checks them: `"max_tokens": "4"`, `"stream": "yes"` or `true`
 as a token id are 400s, never coerced (an integer is accepted where a number is).
@@ -25,6 +25,7 @@ MAX_PROMPTS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
+MAX_CHOICES = 256
 
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LENGTH)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -63,6 +64,34 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: stored as json_schema, sent as "schema".
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsFields(OpenAIModel):
+    """vLLM's `structured_outputs` body field: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                      Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+
 class SamplingFields(OpenAIModel):
     """Sampling fields common to /v1/completions and /v1/chat/completions.
 
@@ -95,6 +124,15 @@ class SamplingFields(OpenAIModel):
     best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
+    # Structured outputs (at most one source): OpenAI's response_format, vLLM's
+    # structured_outputs, or vLLM's older guided_* fields.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsFields | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]],
+                             Field(min_length=1, max_length=MAX_CHOICES)] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -126,17 +164,12 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
 
-class ResponseFormat(OpenAIModel):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None  # only an empty list is accepted
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None

@@ -32,6 +32,7 @@ from pagedlm.entrypoints.openai.errors import (
 )
 from pagedlm.entrypoints.openai.protocol import ChatMessage, SamplingFields
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.structured import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -240,15 +241,65 @@ def build_sampling_params(req: SamplingFields, *, max_tokens: int | None,
     for name in ("best_of", "use_beam_search"):
         if name in _SAMPLING_FIELDS and getattr(req, name) is not None:
             kwargs[name] = getattr(req, name)
+    structured, structured_param = structured_outputs_of(req)
+    kwargs["structured_outputs"] = structured
     try:
         return SamplingParams(**kwargs)
     except ValueError as e:
         message = str(e)
+        if structured is not None and "structured_outputs" in message:
+            raise bad_request(message, param=structured_param) from e
         field = message.split(" ", 1)[0]
         param = field if field in _SAMPLING_FIELDS else None
         if param is not None and field_names:
             param = field_names.get(param, param)
         raise bad_request(message, param=param) from e
+
+
+def structured_outputs_of(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint and the field it came from: OpenAI's
+    response_format, vLLM's structured_outputs or guided_* (at most one of them)."""
+    sources: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        sources.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise bad_request("response_format of type json_schema needs json_schema.schema",
+                              param="response_format")
+        sources.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        fields = req.structured_outputs.model_dump(exclude_none=True)
+        sources.append(("structured_outputs",
+                        {("json" if k == "json_" else k): v for k, v in fields.items()}))
+    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
+                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            sources.append((name, {key: getattr(req, name)}))
+    if not sources:
+        return None, ""
+    if len(sources) > 1:
+        raise bad_request(f"send one output constraint, not {len(sources)}: "
+                          f"{', '.join(name for name, _ in sources)}", param=sources[1][0])
+    param, fields = sources[0]
+    try:
+        return StructuredOutputsParams(**fields), param
+    except ValueError as e:
+        raise bad_request(str(e), param=param) from e
+
+
+async def compile_structured_outputs(serving: Serving, req: SamplingFields,
+                                     params: SamplingParams) -> None:
+    """Compile (and so validate) the grammar before anything is queued, off the event
+    loop: an invalid schema, regex or grammar, or an unsupported schema feature, is a 400
+    naming the field and the problem."""
+    structured = params.structured_outputs
+    if structured is None:
+        return
+    try:
+        await serving._run(structured.grammar_text)
+    except ValueError as e:
+        raise bad_request(str(e), param=structured_outputs_of(req)[1]) from e
 
 
 # ----- responses and client disconnects ------------------------------------------------------

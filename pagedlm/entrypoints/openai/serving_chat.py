@@ -34,6 +34,7 @@ from pagedlm.entrypoints.openai.serving import (
     build_sampling_params,
     check_common_fields,
     clamp_logprob,
+    compile_structured_outputs,
     run_until_disconnect,
     sse_event,
     stream_error_event,
@@ -89,6 +90,7 @@ class ChatServing:
         params = build_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
                                        field_names={"max_tokens": max_tokens_param})
         s.check_vocabulary_fields(req)
+        await compile_structured_outputs(s, req, params)
         prompt, token_ids = await s.render_chat(req.messages, req.add_generation_prompt)
         s.check_context_length(len(token_ids), max_tokens, "messages", max_tokens_param)
         if max_tokens is None:

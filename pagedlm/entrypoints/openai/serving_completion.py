@@ -31,6 +31,7 @@ from pagedlm.entrypoints.openai.serving import (
     build_sampling_params,
     check_common_fields,
     clamp_logprob,
+    compile_structured_outputs,
     run_until_disconnect,
     sse_event,
     stream_error_event,
@@ -93,6 +94,7 @@ class CompletionServing:
             req, max_tokens=req.max_tokens, logprobs=req.logprobs,
             prompt_logprobs=req.logprobs if echo and req.logprobs is not None else None)
         s.check_vocabulary_fields(req)
+        await compile_structured_outputs(s, req, params)
         prompts = await self._prompts(req.prompt)
         for _, token_ids in prompts:
             s.check_token_ids(token_ids, "prompt")
