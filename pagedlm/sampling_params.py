@@ -23,6 +23,12 @@ MAX_LOGPROBS = 20
 MAX_BEAM_WIDTH = 64
 # Penalties live in [-MAX_PENALTY, MAX_PENALTY], as in the OpenAI API.
 MAX_PENALTY = 2.0
+# Beyond these, float32 logits overflow (a temperature past 3.4e38 is inf, logits divided by
+# a repetition penalty of 1e-300 are inf) or beam scores do (len ** 1e308): the sampler would
+# pick outside a grammar's mask and beam search would crash. Far past any useful value.
+MAX_TEMPERATURE = 100.0
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+MAX_LENGTH_PENALTY = 10.0
 # Like vLLM, a temperature below this counts as greedy: dividing logits by such a
 # tiny number only amplifies float noise, and the result is argmax anyway.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -104,8 +110,9 @@ class SamplingParams:
                 raise ValueError(f"best_of must be >= n ({self.n}), got {self.best_of}")
 
         self.temperature = _as_float("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                             f"{self.temperature}")
 
         self.top_p = _as_float("top_p", self.top_p)
         if not 0.0 < self.top_p <= 1.0:
@@ -128,8 +135,10 @@ class SamplingParams:
             setattr(self, name, value)
 
         self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= self.repetition_penalty <= high:
+            raise ValueError(f"repetition_penalty must be in [{low:g}, {high:g}], got "
+                             f"{self.repetition_penalty}")
 
         if self.seed is not None:
             self.seed = _as_int("seed", self.seed)
@@ -165,7 +174,7 @@ class SamplingParams:
 
         if not isinstance(self.use_beam_search, bool):
             raise ValueError(f"use_beam_search must be a bool, got {self.use_beam_search!r}")
-        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        self.length_penalty = _check_length_penalty(self.length_penalty)
         if self.use_beam_search:
             if self.max_tokens is None:
                 raise ValueError("max_tokens must be set when use_beam_search is true")
@@ -246,6 +255,14 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
+def _check_length_penalty(value: object) -> float:
+    value = _as_float("length_penalty", value)
+    if not -MAX_LENGTH_PENALTY <= value <= MAX_LENGTH_PENALTY:
+        raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY:g}, "
+                         f"{MAX_LENGTH_PENALTY:g}], got {value}")
+    return value
+
+
 @dataclass
 class BeamSearchParams:
     """Beam search, vLLM's `BeamSearchParams`: `beam_width` beams, each step keeping the
@@ -266,6 +283,7 @@ class BeamSearchParams:
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         self.temperature = _as_float("temperature", self.temperature)
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        if not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got "
+                             f"{self.temperature}")
+        self.length_penalty = _check_length_penalty(self.length_penalty)

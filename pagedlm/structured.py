@@ -70,6 +70,7 @@ class StructuredOutputsParams:
         from llguidance import LLMatcher
 
         kind = self.kind
+        _check_control_characters(kind, getattr(self, kind))
         try:
             if kind == "json":
                 schema = self.json
@@ -102,6 +103,20 @@ class StructuredOutputsParams:
 # Compact JSON (no free whitespace between tokens): a model cannot pad its output with
 # spaces until max_tokens, and the result is what json.dumps(separators=(",", ":")) writes.
 _JSON_DEFAULTS = {"whitespace_flexible": False}
+
+
+# C0 controls but tab, newline and carriage return, and DEL. llguidance's masks and its
+# token check disagree on such a character in a regex or grammar literal (the mask allows
+# what the check then rejects), so they are refused up front.
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+def _check_control_characters(kind: str, value: object) -> None:
+    texts = value if isinstance(value, list) else [value]
+    for text in texts:
+        if isinstance(text, str) and (match := _CONTROL.search(text)):
+            raise ValueError(f"structured_outputs.{kind}: the control character "
+                             f"U+{ord(match.group()):04X} is not supported in a constraint")
 
 
 def _first_line(message: str) -> str:

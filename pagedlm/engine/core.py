@@ -291,6 +291,10 @@ class EngineCore:
         if len(self.structured):
             sched.grammar_bitmask = self.structured.bitmask_for(self._sampling_seq_ids(sched))
         result = self.model_executor.execute_model(sched)
+        if sched.grammar_bitmask is not None:
+            # Done already if the worker sampled; otherwise the fill must end before the
+            # matchers consume this step's tokens.
+            sched.grammar_bitmask.result()
         if result.failed:  # before update_from_output, which then skips them
             out.failed = self._fail_sequences(result.failed)
         updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)

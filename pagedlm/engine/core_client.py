@@ -25,7 +25,6 @@ import queue
 import signal
 import threading
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -359,7 +358,8 @@ def core_process_main(conn, args: EngineArgs, eos_token_ids: tuple[int, ...],
     except BaseException as e:
         logger.exception("the engine core stopped on an error")
         try:
-            conn.send(CoreMessage(dead=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=5)}"))
+            # The traceback is in this process's log; clients get the error alone.
+            conn.send(CoreMessage(dead=f"{type(e).__name__}: {e}"))
         except OSError:
             pass
         core.shutdown()

@@ -81,7 +81,7 @@ def _server_survives(server):
     (COMPLETIONS, completion(n=True), "n"),
     (COMPLETIONS, completion(temperature="0.5"), "temperature"),
     (COMPLETIONS, completion(echo="true"), "echo"),
-    (CHAT, chat(max_completion_tokens=2.0), "max_completion_tokens"),
+    (CHAT, chat(max_completion_tokens=2.5), "max_completion_tokens"),  # 2.0 is an integer
     (CHAT, chat(logprobs=1), "logprobs"),
     (CHAT, chat(messages=[{"role": "user", "content": 5}]), "messages"),
     (CHAT, chat(stop_token_ids=[True]), "stop_token_ids"),
@@ -93,6 +93,10 @@ def _server_survives(server):
     (COMPLETIONS, completion(top_k=49153), "top_k"),
     (CHAT, chat(top_k=-2), "top_k"),
     (COMPLETIONS, completion(min_p=1.5), "min_p"),
+    # Found by schemathesis: values that overflow float32 logits or beam scores.
+    (COMPLETIONS, completion(temperature=3.5e38), "temperature"),
+    (COMPLETIONS, completion(repetition_penalty=5e-324), "repetition_penalty"),
+    (COMPLETIONS, completion(use_beam_search=True, length_penalty=1e308), "length_penalty"),
     ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
     ("/detokenize", {"tokens": [1, True]}, "tokens"),
 ])

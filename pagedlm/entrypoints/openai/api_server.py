@@ -34,6 +34,7 @@ from pagedlm.entrypoints.openai.errors import (
 from pagedlm.entrypoints.openai.http_protocol import openai_http_protocol
 from pagedlm.entrypoints.openai.lifecycle import DrainingServer, DrainMiddleware
 from pagedlm.entrypoints.openai.metrics import ServerMetrics
+from pagedlm.entrypoints.openai.openapi import refine_openapi
 from pagedlm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -91,6 +92,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
 
     app = FastAPI(title="pagedlm OpenAI-compatible server", version=pagedlm.__version__,
                   lifespan=lifespan)
+    def openapi() -> dict:  # FastAPI's schema plus the limits known only now, built once
+        if app.openapi_schema is None:
+            app.openapi_schema = refine_openapi(
+                FastAPI.openapi(app), served_model_names=serving.served_model_names,
+                max_model_len=engine.max_model_len, vocab_size=engine.vocab_size)
+        return app.openapi_schema
+    app.openapi = openapi  # type: ignore[method-assign]
     install_exception_handlers(app)
     # Starlette runs the middleware added last first: CORS, then the key, then the size.
     app.add_middleware(BodySizeLimitMiddleware, max_body_size=max_request_body_size)

@@ -14,9 +14,15 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_serializer
 
-from pagedlm.sampling_params import MAX_LOGPROBS, MAX_PENALTY
+from pagedlm.sampling_params import (
+    MAX_LENGTH_PENALTY,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_TEMPERATURE,
+    REPETITION_PENALTY_RANGE,
+)
 
 # Per-request caps. Generous for real use, small enough that one request cannot
 # monopolise the engine or the tokenizer.
@@ -27,10 +33,21 @@ MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
 
+def _whole_number(value: Any) -> Any:
+    """JSON Schema's integer includes 2.0: a whole float is that int. Strings and booleans
+    stay errors (strict mode), as do fractions."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# On an integer field of a request, after its Field (so that /openapi.json keeps the
+# bounds): strict, but 2.0 counts (it is an integer in JSON Schema).
+WHOLE = BeforeValidator(_whole_number)
 StopStr = Annotated[str, Field(min_length=1, max_length=MAX_STOP_STRING_LENGTH)]
-TokenId = Annotated[int, Field(ge=0)]
+TokenId = Annotated[int, Field(ge=0), WHOLE]
 # OpenAI's seed is a signed 64-bit integer.
-Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+Seed = Annotated[int, Field(ge=-(2**63), le=2**63 - 1), WHOLE]
 Penalty = Annotated[float, Field(ge=-MAX_PENALTY, le=MAX_PENALTY)]
 Stop = StopStr | Annotated[list[StopStr], Field(max_length=MAX_STOP_STRINGS)] | None
 
@@ -99,8 +116,8 @@ class SamplingFields(OpenAIModel):
     """
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
-    temperature: Annotated[float, Field(ge=0)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = 1
+    temperature: Annotated[float, Field(ge=0, le=MAX_TEMPERATURE)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
@@ -111,19 +128,21 @@ class SamplingFields(OpenAIModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM's extra sampling fields.
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off; at most the vocabulary
+    top_k: Annotated[int, Field(ge=-1), WHOLE] | None = None  # -1, 0: off; <= the vocabulary
     min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0],
+                                               le=REPETITION_PENALTY_RANGE[1])] | None = None
+    min_tokens: Annotated[int, Field(ge=0), WHOLE] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
     # Handled by the engine only if it supports them (checked at request time).
-    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
+    best_of: Annotated[int, Field(ge=1, le=MAX_N), WHOLE] | None = None
     use_beam_search: bool | None = None
-    length_penalty: float | None = None
+    length_penalty: Annotated[float, Field(ge=-MAX_LENGTH_PENALTY,
+                                           le=MAX_LENGTH_PENALTY)] | None = None
     # Structured outputs (at most one source): OpenAI's response_format, vLLM's
     # structured_outputs, or vLLM's older guided_* fields.
     response_format: ResponseFormat | None = None
@@ -143,9 +162,9 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[Annotated[list[TokenId], Field(min_length=1)]],
                     Field(min_length=1, max_length=MAX_PROMPTS)]
     )
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = 16
     echo: bool | None = False
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None
     suffix: str | None = None
 
 
@@ -166,10 +185,10 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None  # deprecated by OpenAI
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None  # deprecated by OpenAI
+    max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None
     tools: list[dict[str, Any]] | None = None  # only an empty list is accepted
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
