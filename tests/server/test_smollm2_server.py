@@ -93,3 +93,31 @@ def test_readme_curl_and_openai_examples_work_as_written(smol_server):
                           timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert len(proc.stdout.strip()) > 10, proc.stdout
+
+
+def test_smollm2_structured_outputs_through_the_openai_client(smol_server):
+    """The embedded model, a Pydantic response_format through the client's .parse(), and
+    json_object: real answers that parse."""
+    import openai
+    from pydantic import BaseModel
+
+    class City(BaseModel):
+        city: str
+        country: str
+
+    client = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "Which city is the capital of France? Answer "
+                                            "with the city and its country."}]
+    parsed = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
+        max_completion_tokens=60, response_format=City)
+    choice = parsed.choices[0]
+    assert choice.finish_reason == "stop", choice
+    assert isinstance(choice.message.parsed, City)
+    assert "Paris" in choice.message.parsed.city, choice.message.parsed
+
+    reply = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", messages=messages, temperature=0,
+        max_completion_tokens=80, response_format={"type": "json_object"})
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
