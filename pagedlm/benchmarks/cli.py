@@ -175,7 +175,7 @@ def add_bench_parser(subparsers: Any) -> None:
     tp.add_argument("--label", default=None, help="name of this run in the JSON and plots "
                                                   "(one backend only; default: the backend)")
     tp.add_argument("--output-json", default=None, help="write the result here")
-    tp.add_argument("--disable-tqdm", action="store_true")
+    tp.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     tp.set_defaults(func=_cmd("throughput"))
 
     sv = sub.add_parser("serving", help="online serving against an OpenAI-compatible server")
@@ -191,7 +191,8 @@ def add_bench_parser(subparsers: Any) -> None:
                     help="mean requests/s of the Poisson arrivals; inf sends all at once")
     sv.add_argument("--max-concurrency", type=int, default=None,
                     help="most requests in flight at once (default: no limit)")
-    sv.add_argument("--temperature", type=float, default=0.0)
+    sv.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every request")
     sv.add_argument("--top-p", type=float, default=None, help="sent when given")
     sv.add_argument("--top-k", type=int, default=None, help="sent when given (0: off)")
     sv.add_argument("--min-p", type=float, default=None, help="sent when given")
@@ -206,19 +207,19 @@ def add_bench_parser(subparsers: Any) -> None:
     sv.add_argument("--server-info", default=None, metavar="JSON",
                     help="a JSON file describing the server (engine, version, flags), copied "
                          "into the result as 'server'")
-    sv.add_argument("--output-json", default=None)
-    sv.add_argument("--disable-tqdm", action="store_true")
+    sv.add_argument("--output-json", default=None, help="write the result here")
+    sv.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     add_dataset_args(sv, "sharegpt", 200, with_seed=True)
     sv.set_defaults(func=_cmd("serving"))
 
     lat = sub.add_parser("latency", help="latency of one batch: end to end and per step")
     add_engine_args(lat)
-    lat.add_argument("--batch-size", type=int, default=8)
-    lat.add_argument("--input-len", type=int, default=32)
-    lat.add_argument("--output-len", type=int, default=128)
-    lat.add_argument("--num-iters-warmup", type=int, default=2)
-    lat.add_argument("--num-iters", type=int, default=10)
-    lat.add_argument("--output-json", default=None)
+    lat.add_argument("--batch-size", type=int, default=8, help="requests in the batch")
+    lat.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    lat.add_argument("--output-len", type=int, default=128, help="output tokens per request")
+    lat.add_argument("--num-iters-warmup", type=int, default=2, help="untimed runs first")
+    lat.add_argument("--num-iters", type=int, default=10, help="timed runs")
+    lat.add_argument("--output-json", default=None, help="write the result here")
     lat.set_defaults(func=_cmd("latency"))
 
     kv = sub.add_parser("kv-waste", help="KV memory waste: paged blocks vs contiguous "
@@ -232,7 +233,7 @@ def add_bench_parser(subparsers: Any) -> None:
                          "waste it records (allocated slots vs tokens held)")
     kv.add_argument("--measure-num-prompts", type=int, default=32,
                     help="requests the --measure run generates (default %(default)s)")
-    kv.add_argument("--output-json", default=None)
+    kv.add_argument("--output-json", default=None, help="write the result here")
     # --max-model-len is also the contiguous reservation (the pre-paging systems' 2048);
     # block sizes come from --block-sizes, so --block-size is refused (see kv_waste.main).
     kv.set_defaults(func=_cmd("kv_waste"), max_model_len=2048, block_size=None)

@@ -27,24 +27,37 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
         g.add_argument("model", nargs="?", default=None, help=model_help)
         g.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     else:
-        g.add_argument("--model", dest="model_flag", default=None, help=model_help)
-    g.add_argument("--tokenizer", default=None)
-    g.add_argument("--skip-tokenizer-init", action="store_true")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    g.add_argument("--dtype", default="auto")
-    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
+        g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help=model_help)
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory, if not the model's own")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="no tokenizer: prompts as token ids, outputs as token ids")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"],
+                   help="weights file format (auto: from the files; dummy: random weights of "
+                        "the right shapes, for benchmarks)")
+    g.add_argument("--dtype", default="auto",
+                   help="compute dtype: auto (float32 on CPU, the model's on GPUs), float32, "
+                        "float16, bfloat16")
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: a GPU if there is one, else the CPU")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the engine's random sampling (requests without a seed)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output in tokens (default: the model's context, as far "
+                        "as the KV cache holds it)")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    g.add_argument("--max-num-seqs", type=int, default=256,
+                   help="most sequences decoding at once")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="most tokens one step computes (default: CPU 2048, GPU 8192)")
     g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                    help="prompt tokens a step may compute while requests are decoding, so "
                         "no stream waits behind a whole long prompt (default: CPU 128, GPU "
                         "2048)")
     g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory the engine may use, KV cache included")
     g.add_argument("--enforce-eager", action="store_true",
                    help="run every step through the model's Python layers: no CUDA graphs on GPUs, "
                         "no C++ decoder on CPU")
@@ -90,13 +103,20 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--repetition-penalty", type=float, default=1.0)
-    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help="most tokens in a reply")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (the same reply every time); higher: more varied")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the smallest set of tokens with this much probability")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k most likely tokens (0: all)")
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than this times the most likely one")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="above 1: tokens already in the text become less likely")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="seed of this run's sampling (default: the engine's --seed)")
 
 
 def sampling_params(args: argparse.Namespace):
@@ -157,7 +177,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients pass as \"model\" (default: the model argument)")
     g.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY") or None,
@@ -180,7 +200,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "they are ended with an error (new requests get 503 meanwhile; a "
                         "second signal stops at once)")
     g.add_argument("--uvicorn-log-level", default="info",
-                   choices=["critical", "error", "warning", "info", "debug", "trace"])
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's own log (one line per HTTP request at info)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -199,9 +220,41 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return run_server(args, engine_kwargs(args))
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Each flag's help ends with its default, unless the help already says it or there is
+    none worth saying (None, False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text.lower() or default in (None, False, argparse.SUPPRESS)
+                or not action.option_strings):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, list) else default
+        return f"{text} (default: {shown})"
+
+
+LOG_LEVEL_HELP = "logging level: debug, info, warning, error (default: warning; serve: info)"
+
+
+def _finish_subcommands(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand (bench's too): its own help formatter, --log-level after the
+    subcommand as well as before, and itself recorded so that main() reports an unknown
+    flag with that subcommand's usage."""
+    for action in parser._actions:
+        if not isinstance(action, argparse._SubParsersAction):
+            continue
+        for sub in action.choices.values():
+            sub.formatter_class = _HelpFormatter
+            if "--log-level" not in sub._option_string_actions:
+                sub.add_argument("--log-level", default=argparse.SUPPRESS, help=LOG_LEVEL_HELP)
+            sub.set_defaults(_parser=sub)
+            _finish_subcommands(sub)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedlm", description="pagedlm: fast LLM inference")
-    parser.add_argument("--log-level", default=None, help="default WARNING (serve: INFO for pagedlm)")
+    parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to one or more prompts")
@@ -226,12 +279,15 @@ def build_parser() -> argparse.ArgumentParser:
     from pagedlm.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
+    _finish_subcommands(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # with the subcommand's usage, not the top level's
+        getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=(args.log_level or "WARNING").upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -1,0 +1,70 @@
+"""The `pagedlm` command explains itself: every flag of every subcommand has a help line
+(with its default), `--log-level` works after the subcommand too, and an unknown flag is
+reported with the subcommand's own usage."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from pagedlm.entrypoints import cli
+
+
+def _subcommands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ("pagedlm",)):
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield (*path, name), sub
+                yield from _subcommands(sub, (*path, name))
+
+
+def test_every_flag_has_help():
+    parser = cli.build_parser()
+    subs = list(_subcommands(parser))
+    assert {" ".join(p) for p, _ in subs} >= {
+        "pagedlm generate", "pagedlm chat", "pagedlm serve", "pagedlm bench",
+        "pagedlm bench throughput", "pagedlm bench serving", "pagedlm bench latency"}
+    missing = [(" ".join(path), a.option_strings or a.dest) for path, sub in subs
+               for a in sub._actions
+               if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+               and not a.help]
+    assert missing == []
+
+
+def test_help_shows_defaults(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "most tokens in a reply (default: 256)" in text
+    assert "0: greedy (the same reply every time); higher: more varied" in text
+
+
+def test_unknown_flag_shows_the_subcommands_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "--no-such-flag"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedlm serve")
+    assert "pagedlm serve: error: unrecognized arguments: --no-such-flag" in err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "latency", "--bogus"])
+    assert capsys.readouterr().err.startswith("usage: pagedlm bench latency")
+
+
+@pytest.mark.parametrize("argv", [["--log-level", "debug", "serve"],
+                                  ["serve", "--log-level", "debug"]])
+def test_log_level_before_or_after_the_subcommand(argv, monkeypatch):
+    seen = {}
+
+    def fake_serve(args):
+        seen["level"] = args.log_level
+        return 0
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["serve"].set_defaults(func=fake_serve)
+    monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
+    assert cli.main(argv) == 0
+    assert seen["level"] == "debug"
