@@ -68,3 +68,23 @@ def test_log_level_before_or_after_the_subcommand(argv, monkeypatch):
     monkeypatch.setattr(logging, "basicConfig", lambda **kwargs: None)
     assert cli.main(argv) == 0
     assert seen["level"] == "debug"
+
+
+def test_generate_takes_the_model_positionally_like_serve():
+    parser = cli.build_parser()
+    for sub in ("generate", "chat", "serve"):
+        args = parser.parse_args([sub, "some/model.gguf", *(["-p", "hi"] if sub == "generate" else [])])
+        assert cli.engine_kwargs(args)["model"] == "some/model.gguf"
+        args = parser.parse_args([sub, "--model", "other.gguf"])
+        assert cli.engine_kwargs(args)["model"] == "other.gguf"
+    args = parser.parse_args(["generate", "-p", "one", "--prompt", "two"])
+    assert args.prompt == ["one", "two"] and cli.engine_kwargs(args)["model"] is None
+
+
+def test_generate_without_a_prompt_says_what_to_do(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["generate", "What is the capital of France?"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: pagedlm generate [MODEL] -p PROMPT")
+    assert "did you mean --prompt 'What is the capital of France?'" in err

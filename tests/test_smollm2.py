@@ -101,7 +101,8 @@ def test_readme_quick_start_command():
     """The README's main command, run as a new user would."""
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     proc = subprocess.run(
-        [sys.executable, "-m", "pagedlm.entrypoints.cli", "generate", "What is the capital of France?"],
+        [sys.executable, "-m", "pagedlm.entrypoints.cli", "generate", "-p",
+         "What is the capital of France?"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert proc.returncode == 0, proc.stderr

@@ -132,6 +132,11 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedlm import LLM
 
+    if not args.prompt:
+        hint = ""
+        if args.model and not os.path.exists(args.model):
+            hint = f"; {args.model!r} is not a model path: did you mean --prompt {args.model!r}?"
+        args._parser.error(f"give the prompt with -p/--prompt{hint}")
     llm = LLM(**engine_kwargs(args))
     params = sampling_params(args)
     tokenizer = llm.get_tokenizer()
@@ -257,12 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help=LOG_LEVEL_HELP)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate a reply to one or more prompts")
-    gen.add_argument("prompt", nargs="+", help="prompt text (several prompts are run one after another)")
+    gen = sub.add_parser("generate", help="generate a reply to one or more prompts",
+                         usage="pagedlm generate [MODEL] -p PROMPT [-p PROMPT ...] [options]")
+    gen.add_argument("-p", "--prompt", action="append", default=None,
+                     help="prompt text; repeat for several prompts, run one after another")
     gen.add_argument("--no-chat-template", action="store_true",
                      help="complete the raw text instead of wrapping it as a user chat message")
     add_sampling_args(gen, max_tokens=256)
-    add_engine_args(gen, positional_model=False)  # the positional slot holds prompts
+    add_engine_args(gen)  # MODEL is positional, as for chat, serve and bench
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="interactive chat in the terminal, streamed")
