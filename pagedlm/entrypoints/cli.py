@@ -299,7 +299,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)
-    except ValueError as e:
+    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+            PermissionError) as e:
+        # A problem the user can fix: one line (--log-level debug shows the traceback).
+        logging.getLogger("pagedlm").debug("the traceback of the error below", exc_info=True)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -239,6 +240,11 @@ class GGUFCheckpoint:
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
             self.version, self.metadata, self.tensor_infos = _parse_header(self._mmap)
+        except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
+            # The header ends early or holds garbage: say so, not which unpack failed.
+            self._mmap.close()
+            raise ValueError(f"{self.path} is not a readable GGUF file: it is truncated or "
+                             f"corrupt ({type(e).__name__}: {e}); download it again") from e
         except Exception:
             self._mmap.close()
             raise

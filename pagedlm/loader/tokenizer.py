@@ -318,6 +318,7 @@ def load_tokenizer(path_or_dir: str | os.PathLike[str]) -> PreTrainedTokenizerFa
         raise FileNotFoundError(
             f"No tokenizer files in {path}: expected one of {', '.join(TOKENIZER_FILES)}"
             + (f" (or a single .gguf file; found {len(ggufs)})" if ggufs else "")
+            + "; pass --tokenizer DIR (tokenizer=...) or --skip-tokenizer-init"
         )
     tok = AutoTokenizer.from_pretrained(os.fspath(path), trust_remote_code=False)
     if not isinstance(tok, PreTrainedTokenizerFast):
