@@ -29,7 +29,8 @@ def _check_positive(name: str, value: int | None, allow_none: bool = False) -> N
 class EngineArgs:
     """Everything a user can set when creating an engine (`LLM(**kwargs)`, CLI flags)."""
 
-    model: str | None = None  # HF directory, .gguf file; None = the embedded default
+    model: str | None = None  # HF directory, .gguf file, HF repo id; None = the embedded default
+    revision: str | None = None  # of an HF repo id: a branch, tag or commit (default: main)
     tokenizer: str | None = None  # overrides the model's tokenizer (directory or .gguf)
     skip_tokenizer_init: bool = False
     load_format: str = "auto"

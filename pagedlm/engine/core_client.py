@@ -335,7 +335,8 @@ def core_process_main(conn, args: EngineArgs, eos_token_ids: tuple[int, ...],
     logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("pagedlm").setLevel(pagedlm_level)
     try:
-        core = EngineCore(args, resolve_model_source(args.model), eos_token_ids)
+        core = EngineCore(args, resolve_model_source(args.model, args.revision),
+                          eos_token_ids)
     except BaseException as e:
         logger.exception("the engine core failed to start")
         conn.send(("error", type(e).__name__, str(e)))

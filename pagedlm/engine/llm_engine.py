@@ -28,7 +28,7 @@ __all__ = ["LLMEngine", "StepRecord"]
 def load_frontend_parts(args: EngineArgs):
     """The model source, its tokenizer (None with skip_tokenizer_init) and EOS ids: what
     the frontend needs before the core is built."""
-    source = resolve_model_source(args.model)
+    source = resolve_model_source(args.model, args.revision)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer_for(source, args.tokenizer)
     return source, tokenizer, eos_token_ids(source.hf_config, tokenizer)
 

@@ -22,12 +22,15 @@ def _parse_bytes(text: str) -> int:
 
 def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -> None:
     g = p.add_argument_group("engine")
-    model_help = "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)"
+    model_help = ("HF model directory, .gguf file or Hugging Face repo id org/name "
+                  "(default: the embedded SmolLM2-135M-Instruct)")
     if positional_model:
         g.add_argument("model", nargs="?", default=None, help=model_help)
         g.add_argument("--model", dest="model_flag", default=None, help=argparse.SUPPRESS)
     else:
         g.add_argument("--model", dest="model_flag", default=None, metavar="MODEL", help=model_help)
+    g.add_argument("--revision", default=None,
+                   help="branch, tag or commit of a Hugging Face repo id MODEL (default: main)")
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer directory, if not the model's own")
     g.add_argument("--skip-tokenizer-init", action="store_true",
@@ -87,7 +90,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return dict(
-        model=args.model_flag or getattr(args, "model", None), tokenizer=args.tokenizer,
+        model=args.model_flag or getattr(args, "model", None), revision=args.revision,
+        tokenizer=args.tokenizer,
         skip_tokenizer_init=args.skip_tokenizer_init, load_format=args.load_format,
         dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=args.max_model_len,
         block_size=args.block_size, max_num_seqs=args.max_num_seqs,

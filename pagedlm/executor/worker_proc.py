@@ -77,7 +77,7 @@ def init_worker(args, rank: int, world_size: int, master_addr: str, port: int,
             set_shm_all_reduce(ShmAllReduce(shm_path, rank, world_size))
         except RuntimeError as e:  # no compiler: gloo does it, slower
             logging.getLogger(__name__).warning("all-reduce through gloo: %s", e)
-    return Worker(args, resolve_model_source(args.model), rank=rank,
+    return Worker(args, resolve_model_source(args.model, args.revision), rank=rank,
                   device_index=local_rank)
 
 

@@ -7,9 +7,11 @@ Whatever the source, every parameter must be filled and every shape must match.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -27,10 +29,54 @@ class ModelSource:
     gguf: object | None = None  # the opened GGUFCheckpoint, reused for weights and tokenizer
 
 
-def resolve_model_source(model: str | None) -> ModelSource:
+# A Hugging Face repo id: "org/name" (what people type), not a path that exists here.
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What the engine reads from a repo: weights, configs, tokenizer, chat template. Never
+# pickled *.bin/*.pt, never a repo's other GGUF quantisations or images.
+HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "spiece.model", "*.tiktoken",
+             "*.jinja", "*.txt"]
+
+
+@functools.lru_cache(maxsize=16)
+def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
+    """The local snapshot of a Hugging Face model repo (only HUB_FILES), through
+    huggingface_hub: its cache (HF_HOME), HF_TOKEN, and offline mode (HF_HUB_OFFLINE=1:
+    the cache only). ValueError, naming the fix, when it cannot be had."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    what = repo_id + (f" (revision {revision})" if revision else "")
+    try:
+        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)
+    except GatedRepoError:
+        raise ValueError(f"model {what} is gated on the Hugging Face hub: accept its terms on "
+                         f"huggingface.co and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise ValueError(f"model {what}: no such repository on the Hugging Face hub (or it is "
+                         f"private: set HF_TOKEN)") from None
+    except RevisionNotFoundError:
+        raise ValueError(f"model {repo_id}: no revision {revision!r} on the Hugging Face "
+                         f"hub") from None
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"model {what} is not in the Hugging Face cache and the hub cannot be reached "
+            f"(offline, or HF_HUB_OFFLINE=1); on a connected machine run `huggingface-cli "
+            f"download {repo_id}` with the same HF_HOME, or pass a local directory") from None
+
+
+def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
+    """A local HF directory, a .gguf file, a Hugging Face repo id ("org/name", at
+    `revision`), or None for the embedded default model."""
     from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
 
     path = model if model is not None else default_model_path()
+    if not os.path.exists(path) and _REPO_ID.match(path):
+        path = hub_snapshot(path, revision)
     if os.path.isfile(path) and path.endswith(".gguf"):
         checkpoint = GGUFCheckpoint(path)
         return ModelSource(path, "gguf", checkpoint.config, checkpoint)
@@ -57,7 +103,8 @@ def resolve_model_source(model: str | None) -> ModelSource:
     if os.path.exists(path):
         raise ValueError(f"model {path!r} is neither a HuggingFace directory nor a .gguf file")
     raise ValueError(
-        f"model {path!r} not found (no such file or directory; models are never downloaded)"
+        f"model {path!r} not found: not a file or directory here, nor a Hugging Face repo id "
+        f"(org/name)"
     )
 
 
