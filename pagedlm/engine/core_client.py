@@ -281,7 +281,7 @@ class ProcessCoreClient:
             on_message(message)
             if message.dead is not None:
                 return
-        code = self._wait_exit(1.0)
+        code = self._wait_exit(10.0)  # the pipe closes first; the exit status follows
         if not self._closing:
             how = f"was killed by signal {-code}" if code is not None and code < 0 else \
                 f"exited with code {code}"

@@ -104,11 +104,11 @@ def test_sigterm_lets_running_requests_finish(tmp_path, tiny_model_dir):
 
 def test_shutdown_timeout_ends_the_requests_left_with_an_answer(tmp_path, tiny_model_dir):
     # One sequence at a time: at the deadline one request runs and the others wait.
-    server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "1",
+    server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "0.5",
                     "--max-num-seqs", "1")
     try:
         server.wait_healthy()
-        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=1000) for i in range(8)]
+        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=1000) for i in range(20)]
         for call in calls:
             call.start()
         assert calls[0].started.wait(60), server.log()
@@ -116,7 +116,7 @@ def test_shutdown_timeout_ends_the_requests_left_with_an_answer(tmp_path, tiny_m
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
         _assert_turned_away(server.url)
-        ended = 0  # the requests still running or queued at the deadline (~8 s of work)
+        ended = 0  # the requests still running or queued at the deadline (20,000 tokens)
         for call in calls:
             call.join(60)
             assert not call.is_alive() and call.error is None, call.error
