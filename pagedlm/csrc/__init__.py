@@ -61,13 +61,13 @@ def load_extension(stem: str) -> ModuleType | None:
         return None
     prebuilt = json.loads(os.environ.get(PREBUILT_ENV, "{}")).get(stem)
     if prebuilt is not None:
-        return _import_library(f"pagedlm_{stem}_{_cpu_tag()}", prebuilt)
+        return _import_library(extension_name(stem), prebuilt)
     source = CSRC_DIR / f"{stem}.cpp"
     try:
         from torch.utils.cpp_extension import load
 
         return load(
-            name=f"pagedlm_{stem}_{_cpu_tag()}",
+            name=extension_name(stem),
             sources=[str(source)],
             # Copies: torch appends its own flags to the lists it is given, and the grown
             # lists would change the next kernel's build file, relinking it for nothing.
@@ -79,6 +79,50 @@ def load_extension(stem: str) -> ModuleType | None:
         logger.warning("CPU kernels %s unavailable (%s: %s); using the torch path", stem,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+def extension_name(stem: str) -> str:
+    return f"pagedlm_{stem}_{_cpu_tag()}"
+
+
+def _built_library(stem: str) -> Path:
+    """Where torch's builder keeps the library of `stem` (the path it would create; this
+    does not create it)."""
+    import sys
+
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+    name = extension_name(stem)
+    folder = f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
+    return Path(root) / folder / name / f"{name}.so"
+
+
+def unbuilt_kernels() -> list[str]:
+    """The kernels with no library built yet (they compile on their first load)."""
+    return [s.stem for s in sorted(CSRC_DIR.glob("*.cpp")) if not _built_library(s.stem).exists()]
+
+
+def prepare_cpu_kernels() -> None:
+    """Build every kernel now, together, and say so: at engine start-up rather than
+    silently inside the first request. A no-op when they are built (or disabled)."""
+    if os.environ.get(DISABLE_ENV) or os.environ.get(PREBUILT_ENV):
+        return
+    missing = unbuilt_kernels()
+    if missing:
+        import time
+        from concurrent.futures import ThreadPoolExecutor
+
+        logger.warning("building %d CPU kernels, one time (about a minute per core-pair; "
+                       "cached for later starts): %s", len(missing), ", ".join(missing))
+        start = time.perf_counter()
+        # Each build is a compiler subprocess: threads run them side by side.
+        with ThreadPoolExecutor(max(1, min(len(missing), os.cpu_count() or 1))) as pool:
+            list(pool.map(load_extension, missing))
+        logger.warning("CPU kernels built in %.0f s", time.perf_counter() - start)
+    load_all_extensions()
 
 
 def load_all_extensions() -> dict[str, str]:

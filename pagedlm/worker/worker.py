@@ -91,6 +91,10 @@ class Worker:
         if self.device.type == "cuda" and self.world_size > 1:
             # One GPU per rank: the rank's own on one machine, the one Ray gave it on many.
             self.device = torch.device("cuda", rank if device_index is None else device_index)
+        if self.device.type == "cpu":
+            from pagedlm.csrc import prepare_cpu_kernels
+
+            prepare_cpu_kernels()  # all at once, announced, before the engine is ready
         self.dtype = resolve_dtype(args.dtype, source.hf_config, self.device)
         # The KV cache may be stored narrower than the model computes (llama.cpp's default
         # is a float16 cache): half the memory and half the bytes each decode reads.

@@ -1,0 +1,48 @@
+"""CPU kernels are built at engine start-up, together and announced, not silently inside
+the first request; nothing is said when they are already built."""
+
+from __future__ import annotations
+
+import logging
+
+from pagedlm import csrc
+
+
+def test_unbuilt_kernels_are_found_and_built_together(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv(csrc.PREBUILT_ENV, raising=False)
+    monkeypatch.delenv(csrc.DISABLE_ENV, raising=False)
+    stems = sorted(p.stem for p in csrc.CSRC_DIR.glob("*.cpp"))
+    assert csrc.unbuilt_kernels() == stems  # an empty build root: nothing is built
+
+    built: list[str] = []
+
+    def fake_build(stem: str):  # what torch's builder leaves behind
+        library = csrc._built_library(stem)
+        library.parent.mkdir(parents=True, exist_ok=True)
+        library.write_bytes(b"")
+        built.append(stem)
+
+    monkeypatch.setattr(csrc, "load_extension", fake_build)
+    monkeypatch.setattr(csrc, "load_all_extensions", lambda: {})
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        csrc.prepare_cpu_kernels()
+    assert sorted(built) == stems
+    assert f"building {len(stems)} CPU kernels, one time" in caplog.text
+    assert "CPU kernels built in" in caplog.text
+    assert csrc.unbuilt_kernels() == []
+
+    caplog.clear()
+    built.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        csrc.prepare_cpu_kernels()
+    assert built == [] and "building" not in caplog.text
+
+
+def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch):
+    calls = []
+    monkeypatch.setattr(csrc, "prepare_cpu_kernels", lambda: calls.append("prepared"))
+    from pagedlm import LLM
+
+    LLM(tiny_llama_dir, skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=128)
+    assert calls == ["prepared"]
