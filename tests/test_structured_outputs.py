@@ -163,3 +163,19 @@ def test_a_matcher_error_ends_only_its_request(llm, monkeypatch):
     assert ok[0].outputs[0].finish_reason == "stop" and _valid(kind, ok[0].outputs[0].text)
     core = llm.llm_engine.core
     assert core.kv_cache_manager.num_free_blocks == core.kv_cache_manager.num_blocks
+
+
+def test_tensor_parallel_ranks_get_the_same_masks(tiny_model_dir):  # noqa: F811
+    """With two ranks the step message carries the bitmask (pickled once filled): the same
+    constrained outputs as one process."""
+    prompts, params = _batch([(k, s) for s in range(2) for k in ("json", "regex", "choice")])
+    outputs = {}
+    for tp in (1, 2):
+        llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20, max_model_len=256, seed=0,
+                  tensor_parallel_size=tp)
+        try:
+            outputs[tp] = [[c.token_ids for c in o.outputs]
+                           for o in llm.generate(prompts, params, use_tqdm=False)]
+        finally:
+            llm.llm_engine.shutdown()
+    assert outputs[1] == outputs[2]
