@@ -53,14 +53,17 @@ class StructuredOutputsParams:
     compiled: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        given = [k for k in _KINDS if getattr(self, k) not in (None, False)]
+        given = self._given()
         if len(given) != 1:
             raise ValueError(f"structured_outputs: set exactly one of {', '.join(_KINDS)} "
                              f"(got {', '.join(given) or 'none'})")
 
+    def _given(self) -> list[str]:
+        return [k for k in _KINDS if getattr(self, k) not in (None, False)]
+
     @property
     def kind(self) -> str:
-        return next(k for k in _KINDS if getattr(self, k) not in (None, False))
+        return self._given()[0]
 
     def grammar_text(self) -> str:
         """The llguidance grammar (compiled once), or ValueError naming the field and the
@@ -95,7 +98,7 @@ class StructuredOutputsParams:
             raise ValueError(f"structured_outputs.{kind}: {e}") from None
         error = LLMatcher.validate_grammar(grammar)
         if error:
-            raise ValueError(f"structured_outputs.{kind}: {_first_line(error)}")
+            raise ValueError(f"structured_outputs.{kind}: {_one_line(error)}")
         self.compiled = grammar
         return grammar
 
@@ -119,7 +122,7 @@ def _check_control_characters(kind: str, value: object) -> None:
                              f"U+{ord(match.group()):04X} is not supported in a constraint")
 
 
-def _first_line(message: str) -> str:
+def _one_line(message: str) -> str:
     """llguidance's multi-line message on one line, bounded."""
     text = " ".join(line.strip() for line in message.strip().splitlines() if line.strip())
     return text if len(text) <= 500 else text[:497] + "..."
@@ -222,7 +225,7 @@ class StructuredOutputManager:
         first = LLMatcher(tokenizer, grammar, log_level=0)
         if first.is_error():
             raise ValueError(f"structured_outputs.{params.kind}: "
-                             f"{_first_line(first.get_error())}")
+                             f"{_one_line(first.get_error())}")
         for i, seq_id in enumerate(seq_ids):
             self._matchers[seq_id] = first if i == 0 else first.deep_copy()
 

@@ -223,18 +223,16 @@ class EngineCore:
             self.structured.add(seq_ids, structured)
         try:
             self.scheduler.add_request(sequences[0])
+            if len(sequences) > 1:
+                try:
+                    self.scheduler.add_forked_requests(sequences[0], sequences[1:])
+                except ValueError:
+                    self.scheduler.finish_requests([seq_ids[0]], RequestStatus.FINISHED_ABORTED)
+                    raise
         except ValueError:
             for seq_id in seq_ids:
                 self.structured.remove(seq_id)
             raise
-        if len(sequences) > 1:
-            try:
-                self.scheduler.add_forked_requests(sequences[0], sequences[1:])
-            except ValueError:
-                self.scheduler.finish_requests([seq_ids[0]], RequestStatus.FINISHED_ABORTED)
-                for seq_id in seq_ids:
-                    self.structured.remove(seq_id)
-                raise
         self._live_seqs[request.request_id] = set(seq_ids)
         for seq_id in seq_ids:
             self._request_of[seq_id] = request.request_id
