@@ -72,19 +72,28 @@ def _assert_turned_away(url: str) -> None:
         assert http.get("/metrics").status_code == 200  # scrapes still see the drain
 
 
+def _sigterm_with_calls_in_flight(server: ServerProcess, num_calls: int,
+                                  max_tokens: int) -> list[Call]:
+    """Start the calls (streamed and not, alternately), SIGTERM the server once the first
+    is streaming and the rest are queued, and check it turns new work away at once."""
+    server.wait_healthy()
+    calls = [Call(server.url, stream=i % 2 == 0, max_tokens=max_tokens)
+             for i in range(num_calls)]
+    for call in calls:
+        call.start()
+    assert calls[0].started.wait(60), server.log()
+    time.sleep(0.3)  # the rest are queued in the engine
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    _assert_turned_away(server.url)
+    return calls
+
+
 def test_sigterm_lets_running_requests_finish(tmp_path, tiny_model_dir):
     # One sequence at a time: the drain waits for the running request and the queued ones.
     server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "60", "--max-num-seqs", "1")
     try:
-        server.wait_healthy()
-        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=900) for i in range(6)]
-        for call in calls:
-            call.start()
-        assert calls[0].started.wait(60), server.log()
-        time.sleep(0.3)  # the rest are queued in the engine
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        _assert_turned_away(server.url)
+        calls = _sigterm_with_calls_in_flight(server, num_calls=6, max_tokens=900)
         for call in calls:
             call.join(120)
             assert call.error is None, call.error
@@ -107,15 +116,7 @@ def test_shutdown_timeout_ends_the_requests_left_with_an_answer(tmp_path, tiny_m
     server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "0.5",
                     "--max-num-seqs", "1")
     try:
-        server.wait_healthy()
-        calls = [Call(server.url, stream=i % 2 == 0, max_tokens=1000) for i in range(20)]
-        for call in calls:
-            call.start()
-        assert calls[0].started.wait(60), server.log()
-        time.sleep(0.3)  # the rest are queued in the engine
-        server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.2)
-        _assert_turned_away(server.url)
+        calls = _sigterm_with_calls_in_flight(server, num_calls=20, max_tokens=1000)
         ended = 0  # the requests still running or queued at the deadline (20,000 tokens)
         for call in calls:
             call.join(60)
