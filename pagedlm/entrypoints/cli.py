@@ -182,6 +182,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         DEFAULT_MAX_TOKENS,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
     )
+    from pagedlm.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
@@ -208,6 +209,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds running requests get to finish before "
                         "they are ended with an error (new requests get 503 meanwhile; a "
                         "second signal stops at once)")
+    g.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", *TOOL_CALL_FORMATS],
+                   help="how the model writes tool calls: hermes (<tool_call>{...}</tool_call>; "
+                        "Hermes, Qwen), llama3_json or mistral ([TOOL_CALLS]); auto reads it "
+                        "from the chat template, hermes when the template has no tool support "
+                        "(the tools are then described in a system prompt)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log (one line per HTTP request at info)")

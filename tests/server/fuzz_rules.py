@@ -20,6 +20,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedlm.entrypoints.openai.protocol import MAX_TOOLS
+
 # Generation length is not what the fuzzing is about: a fuzzed max_tokens of 900 with
 # n=16 and 64 prompts would spend minutes decoding.
 MAX_FUZZ_TOKENS = 8
@@ -69,6 +71,19 @@ ALLOWED_400S: tuple[tuple[str, str], ...] = (
     ("structured_outputs", "structured_outputs: set exactly one of"),
     # response_format of type json_schema without json_schema.schema.
     ("response_format", "response_format of type json_schema needs json_schema.schema"),
+    # tool_choice other than none without tools, naming a function not in tools, or
+    # forcing a call while another output constraint is set.
+    ("tool_choice", "needs tools"),
+    ("tool_choice", "which is not in tools"),
+    ("tool_choice", "constrains the output to a tool call"),
+    # Two tools of one name; forced calls whose grammar does not compile.
+    ("tools", "names must be unique"),
+    ("tools", "the tools cannot be forced"),
+) + tuple(
+    # A function's parameters that are no usable JSON schema (the request schema types
+    # them as an object; which objects are valid schemas it cannot say).
+    (f"tools[{i}].function.parameters", "is not a usable JSON schema")
+    for i in range(MAX_TOOLS)
 ) + tuple(
     (source, reason) for source in STRUCTURED_OUTPUT_SOURCES for reason in (
         # More than one source of an output constraint (param: the second one).

@@ -120,3 +120,138 @@ def test_smollm2_structured_outputs_through_the_openai_client(smol_server):
         max_completion_tokens=80, response_format={"type": "json_object"})
     assert reply.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+# ----- tool calling on the real model ---------------------------------------------------------
+
+def _get_weather(city: str, unit: str = "celsius") -> str:
+    return json.dumps({"city": city, "temperature": 18, "unit": unit, "sky": "sunny"})
+
+
+def _calculator(expression: str) -> str:
+    import ast
+    import operator
+
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv}
+
+    def ev(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in ops:
+            return ops[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"not arithmetic: {expression!r}")
+
+    try:
+        return str(ev(ast.parse(expression, mode="eval").body))
+    except (SyntaxError, ValueError, ZeroDivisionError) as e:
+        return f"error: {e}"
+
+
+FUNCTIONS = {"get_weather": _get_weather, "calculator": _calculator}
+CALCULATOR_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluate an arithmetic expression",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
+                   "required": ["expression"]}}}
+
+
+def _weather_tool():
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel
+
+    class GetWeather(BaseModel):
+        """The current weather in a city."""
+
+        city: str
+        unit: Literal["celsius", "fahrenheit"]
+
+    return GetWeather, openai.pydantic_function_tool(GetWeather, name="get_weather")
+
+
+def _streamed_message(chunks) -> tuple[str, list[dict], str | None]:
+    """Content, tool calls and finish reason rebuilt from a stream, as agent SDKs do."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.function.name, "id and name open a call"
+                    calls[d.index] = {"id": d.id, "type": "function", "function": {
+                        "name": d.function.name, "arguments": ""}}
+                calls[d.index]["function"]["arguments"] += d.function.arguments or ""
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_smollm2_tool_choices(smol_server):
+    """auto, required and a named function, whole and streamed, on the real model."""
+    import openai
+
+    GetWeather, weather_tool = _weather_tool()
+    client = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
+    tools = [weather_tool, CALCULATOR_TOOL]
+    messages = [{"role": "user", "content": "What's the weather like in Paris today?"}]
+    common = dict(model="SmolLM2-135M-Instruct", messages=messages, tools=tools,
+                  temperature=0, max_completion_tokens=64)
+    # auto: this small model answers in words here; whatever it does, no markup leaks
+    auto = client.chat.completions.create(**common, tool_choice="auto").choices[0]
+    assert "<tool_call>" not in (auto.message.content or "")
+    assert (auto.finish_reason == "tool_calls") == bool(auto.message.tool_calls)
+    # required: a call with arguments the schema accepts, streamed like the whole one
+    required = client.chat.completions.create(**common, tool_choice="required",
+                                              parallel_tool_calls=False).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None
+    (call,) = required.message.tool_calls
+    assert call.function.name == "get_weather"
+    GetWeather.model_validate_json(call.function.arguments)
+    content, calls, finish = _streamed_message(client.chat.completions.create(
+        **common, tool_choice="required", parallel_tool_calls=False, stream=True))
+    assert (content, finish) == ("", "tool_calls")
+    assert [c["function"]["arguments"] for c in calls] == [call.function.arguments]
+    # named, through the client's .parse(): the arguments come back as the pydantic object
+    parsed = client.chat.completions.parse(
+        **{**common, "tools": [weather_tool]},  # .parse() takes strict tools only
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (named,) = parsed.choices[0].message.tool_calls
+    assert isinstance(named.function.parsed_arguments, GetWeather)
+
+
+def test_smollm2_agent_loop(smol_server):
+    """A client loop as agent frameworks run it: call the model, run the tools it asks
+    for, send the results back, until it answers in words. The client's tool_choice
+    policy: a call first, then words (this 135M model, left to `auto` after a result,
+    calls the same tool again and again; `auto` itself is covered above)."""
+    import openai
+
+    _, weather_tool = _weather_tool()
+    client = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
+    messages: list[dict] = [{"role": "user", "content": "What's the weather like in Paris?"}]
+    ran: list[str] = []
+    for choice in ("required", "none"):
+        chunks = client.chat.completions.create(
+            model="SmolLM2-135M-Instruct", messages=messages, tools=[weather_tool,
+                                                                     CALCULATOR_TOOL],
+            tool_choice=choice, parallel_tool_calls=False, temperature=0,
+            max_completion_tokens=96, stream=True)
+        content, calls, finish = _streamed_message(chunks)
+        if not calls:
+            assert finish == "stop" and "<tool_call>" not in content
+            break
+        assert finish == "tool_calls"
+        messages.append({"role": "assistant", "content": content or None,
+                         "tool_calls": calls})
+        for call in calls:
+            try:  # as agent SDKs do, a call the function refuses is reported back
+                result = FUNCTIONS[call["function"]["name"]](
+                    **json.loads(call["function"]["arguments"]))
+            except (TypeError, ValueError) as e:
+                result = f"error: {e}"
+            ran.append(call["function"]["name"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+    assert ran == ["get_weather"]
+    print(f"\nagent loop: tools run {ran}; answer {content!r}")
+    # the answer draws on the tool's result (18 degrees, sunny), which only the tool knew
+    assert "sunny" in content.lower() or "18" in content

@@ -73,9 +73,10 @@ _STREAMING = {"content": {"text/event-stream": {}}}
 def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
-              max_tokens_default: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+              max_tokens_default: int = DEFAULT_MAX_TOKENS,
+              tool_call_parser: str = "auto") -> FastAPI:
     """The OpenAI-compatible app. Its lifespan starts and stops the engine."""
-    serving = Serving(engine, served_model_names, max_tokens_default)
+    serving = Serving(engine, served_model_names, max_tokens_default, tool_call_parser)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
     metrics = ServerMetrics(engine, serving.model_name)
@@ -236,7 +237,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
         default_served_model_name(engine_kwargs.get("model"), engine.model_path)]
     app = build_app(engine, names, api_key=args.api_key, allowed_origins=args.allowed_origins,
                     max_request_body_size=args.max_request_body_size,
-                    max_tokens_default=args.max_tokens_default)
+                    max_tokens_default=args.max_tokens_default,
+                    tool_call_parser=args.tool_call_parser)
     host = args.host
     url_host = f"[{host}]" if ":" in host else host
     stats = engine.stats

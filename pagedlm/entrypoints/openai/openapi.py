@@ -11,8 +11,8 @@ on the model being served is added here, once, when the schema is first asked fo
 - `max_tokens`, `max_completion_tokens`, `min_tokens`: at most max_model_len - 1 (the
   prompt takes at least one token);
 - a prompt to generate from needs at least one token: its strings are non-empty;
-- fields the schema types but the server supports only empty (`logit_bias`, `suffix`,
-  `tools`): maxProperties / maxLength / maxItems 0;
+- fields the schema types but the server supports only empty (`logit_bias`, `suffix`):
+  maxProperties / maxLength / maxItems 0;
 - integer bounds exactly as pydantic checks them (it writes them as JSON doubles, so the
   seed's 2**63 - 1 came out as 2**63);
 - errors as they are answered: a 400 with an ErrorResponse, never FastAPI's 422;
@@ -39,7 +39,7 @@ TOKEN_ID_FIELDS = frozenset({"prompt", "stop_token_ids", "tokens"})
 # Request body fields counting generated tokens.
 GENERATION_LENGTH_FIELDS = frozenset({"max_tokens", "max_completion_tokens", "min_tokens"})
 # Request body fields the server accepts only empty (or null): a non-empty one is a 400.
-EMPTY_ONLY_FIELDS = frozenset({"logit_bias", "suffix", "tools"})
+EMPTY_ONLY_FIELDS = frozenset({"logit_bias", "suffix"})
 
 JsonSchema = dict[str, Any]
 

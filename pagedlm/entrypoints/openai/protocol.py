@@ -1,6 +1,6 @@
 """Pydantic models of the OpenAI API (the subset pagedlm serves) plus vLLM's extra fields.
 
-Request models forbid unknown fields: a parameter we do not implement (`tools`, ...) is a
+Request models forbid unknown fields: a parameter we do not implement (`audio`, ...) is a
 clear 400, not silently ignored output.
 Fields that do not change generation (`user`, `store`, `metadata`, ...) are accepted.
 Types are strict, as OpenAI checks them: `"max_tokens": "4"`, `"stream": "yes"` or `true`
@@ -32,6 +32,7 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LENGTH = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 256
+MAX_TOOLS = 128  # OpenAI's limit on functions per request
 
 def _whole_number(value: Any) -> Any:
     """JSON Schema's integer includes 2.0: a whole float is that int. Strings and booleans
@@ -173,14 +174,53 @@ class TextContentPart(OpenAIModel):
     text: str
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class MessageToolCall(BaseModel):
+    """A call in an assistant message of the history, as OpenAI returned it."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    # Tool-call bookkeeping fields (tool_calls, tool_call_id, ...) may come back from
-    # a client that replays a history; they do not affect the template's text.
+    # Fields a client replays from a response (refusal, annotations, ...) are ignored:
+    # they do not affect the template's text.
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[MessageToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(OpenAIModel):
+    # OpenAI's rule for function names.
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ChatTool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -189,8 +229,8 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1), WHOLE] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS), WHOLE] | None = None
-    tools: list[dict[str, Any]] | None = None  # only an empty list is accepted
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[ChatTool], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
@@ -267,10 +307,30 @@ class ChatLogprobs(ResponseModel):
     refusal: list[ChatLogprobToken] | None = None  # the model refuses nothing: always null
 
 
+class ToolCallFunction(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
     refusal: str | None = None  # OpenAI's field for a safety refusal; never set here
+    tool_calls: list[ToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_null_tool_calls(self, handler):
+        # OpenAI's schema has tool_calls as an array or absent, never null.
+        data = handler(self)
+        if data.get("tool_calls", 0) is None:
+            del data["tool_calls"]
+        return data
 
 
 class ChatChoice(ResponseModel):
@@ -290,9 +350,30 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(ResponseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_nulls(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class DeltaMessage(ResponseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler):

@@ -23,6 +23,7 @@ from pagedlm.engine.async_engine import (
     RequestStream,
 )
 from pagedlm.entrypoints.openai import DEFAULT_MAX_TOKENS
+from pagedlm.entrypoints.openai.chat_messages import conversation
 from pagedlm.entrypoints.openai.errors import (
     APIError,
     bad_request,
@@ -31,6 +32,10 @@ from pagedlm.entrypoints.openai.errors import (
     queue_full_error,
 )
 from pagedlm.entrypoints.openai.protocol import ChatMessage, SamplingFields
+from pagedlm.entrypoints.openai.tool_parsers import (
+    choose_tool_call_format,
+    template_takes_tools,
+)
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured import StructuredOutputsParams
 
@@ -66,7 +71,8 @@ class Serving:
     """Shared state and helpers of the OpenAI endpoints."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: Sequence[str],
-                 max_tokens_default: int = DEFAULT_MAX_TOKENS) -> None:
+                 max_tokens_default: int = DEFAULT_MAX_TOKENS,
+                 tool_call_parser: str = "auto") -> None:
         if not served_model_names:
             raise ValueError("served_model_names must name at least one model")
         if max_tokens_default < 1:
@@ -79,6 +85,11 @@ class Serving:
         # The server's own copy: the engine thread decodes with the original while this
         # one encodes, and a fast tokenizer must not be mutated by two threads at once.
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
+        template = getattr(self.tokenizer, "chat_template", None)
+        if not isinstance(template, str):
+            template = None  # a dict of named templates: the default one is not known here
+        self.tool_format = choose_tool_call_format(template, tool_call_parser)
+        self.template_takes_tools = template_takes_tools(template)
         # One worker: tokenization is serialised (one tokenizer) but never on the event loop.
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedlm-tokenizer")
 
@@ -112,17 +123,25 @@ class Serving:
         return await self._run(lambda: tokenizer.decode(list(token_ids)))
 
     async def render_chat(self, messages: Sequence[ChatMessage],
-                          add_generation_prompt: bool = True) -> tuple[str, list[int]]:
-        """The chat template's text for `messages` and its token ids."""
+                          add_generation_prompt: bool = True,
+                          tools: Sequence[dict[str, Any]] | None = None,
+                          ) -> tuple[str, list[int]]:
+        """The chat template's text for `messages` (and `tools`, OpenAI function dicts)
+        and its token ids."""
         tokenizer = self._require_tokenizer("messages")
         if not getattr(tokenizer, "chat_template", None):
             raise bad_request("the model's tokenizer has no chat template: use /v1/completions",
                               param="messages")
-        conversation = [_message_dict(m) for m in messages]
+        native = self.template_takes_tools
+        turns = conversation(messages, tools=tools, fmt=self.tool_format,
+                             template_takes_tools=native)
+        template_tools = ([{"type": "function", "function": t} for t in tools]
+                          if tools and native else None)
 
         def render() -> tuple[str, list[int]]:
             text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+                turns, tools=template_tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt)
             # The template already holds any BOS token: do not add special tokens again.
             return text, list(tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -200,18 +219,6 @@ class Serving:
             stream.close()
             raise
         return stream
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if isinstance(content, list):
-        content = "\n".join(part.text for part in content)
-    # Templates know system/user/assistant; OpenAI's newer "developer" is a system prompt.
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": content or ""}
-    if message.name is not None:
-        out["name"] = message.name
-    return out
 
 
 def check_common_fields(req: SamplingFields) -> None:

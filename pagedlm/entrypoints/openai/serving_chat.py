@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -22,7 +24,12 @@ from pagedlm.entrypoints.openai.protocol import (
     ChatLogprobs,
     ChatLogprobToken,
     ChatResponseMessage,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    NamedToolChoice,
+    ToolCall,
+    ToolCallFunction,
     TopLogprob,
     UsageInfo,
 )
@@ -38,8 +45,12 @@ from pagedlm.entrypoints.openai.serving import (
     run_until_disconnect,
     sse_event,
     stream_error_event,
+    structured_outputs_of,
 )
+from pagedlm.entrypoints.openai.tool_parsers import ToolCallFormat, ToolCallParser
 from pagedlm.outputs import PositionLogprobs
+from pagedlm.sampling_params import SamplingParams
+from pagedlm.structured import StructuredOutputsParams
 
 
 def _top_logprob(text: str | None, logprob: float) -> TopLogprob:
@@ -78,8 +89,7 @@ class ChatServing:
         s = self.serving
         model = s.check_model(req.model)
         check_common_fields(req)
-        if req.tools:
-            raise bad_request("tools are not supported", param="tools")
+        tools = await self._check_tools(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
         num_logprobs = (req.top_logprobs or 0) if req.logprobs else None
@@ -90,15 +100,24 @@ class ChatServing:
         params = build_sampling_params(req, max_tokens=max_tokens, logprobs=num_logprobs,
                                        field_names={"max_tokens": max_tokens_param})
         s.check_vocabulary_fields(req)
-        await compile_structured_outputs(s, req, params)
-        prompt, token_ids = await s.render_chat(req.messages, req.add_generation_prompt)
+        if tools is not None and tools.forced is not None:
+            params = await self._force_tool_call(req, tools, params)
+        else:
+            await compile_structured_outputs(s, req, params)
+        # Under tool_choice "none" a template that takes tools still gets them (it knows
+        # how to say they are there); one that does not is not taught to call them.
+        shown = tools is not None and (tools.parse or s.template_takes_tools)
+        prompt, token_ids = await s.render_chat(
+            req.messages, req.add_generation_prompt,
+            tools=tools.functions if shown else None)
         s.check_context_length(len(token_ids), max_tokens, "messages", max_tokens_param)
         if max_tokens is None:
             params.max_tokens = s.default_max_tokens(len(token_ids), params.min_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await s.start(request_id, [(prompt, token_ids)], params, arrival_time,
                                prompt_param="messages")
-        job = _Job(request_id, model, len(token_ids), params.n, num_logprobs)
+        tool_format = s.tool_format if tools is not None and tools.parse else None
+        job = _Job(request_id, model, len(token_ids), params.n, num_logprobs, tool_format)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return SSEResponse(job.stream(stream, include_usage), on_close=stream.close)
@@ -111,6 +130,90 @@ class ChatServing:
         return JSONResponse(response.model_dump())
 
 
+    async def _check_tools(self, req: ChatCompletionRequest) -> _Tools | None:
+        """The request's tools, validated: every parameter schema compiles (a 400 naming
+        tools[i].function.parameters), a named tool_choice is one of them."""
+        choice = req.tool_choice
+        if not req.tools:
+            if choice not in (None, "none"):
+                raise bad_request(f"tool_choice {_choice_name(choice)} needs tools",
+                                  param="tool_choice")
+            return None
+        functions = [t.function.model_dump(exclude_none=True) for t in req.tools]
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            duplicate = next(n for n in names if names.count(n) > 1)
+            raise bad_request(f"two tools are named {duplicate!r}: names must be unique",
+                              param="tools")
+        for i, function in enumerate(functions):
+            if "parameters" not in function:
+                continue
+            try:
+                await self.serving._run(
+                    StructuredOutputsParams(json=function["parameters"]).grammar_text)
+            except ValueError as e:
+                problem = str(e).removeprefix("structured_outputs.json: ")
+                raise bad_request(f"tools[{i}].function.parameters is not a usable JSON "
+                                  f"schema: {problem}",
+                                  param=f"tools[{i}].function.parameters") from e
+        forced: list[dict[str, Any]] | None = None
+        if isinstance(choice, NamedToolChoice):
+            forced = [f for f in functions if f["name"] == choice.function.name]
+            if not forced:
+                raise bad_request(f"tool_choice names the function {choice.function.name!r}, "
+                                  f"which is not in tools ({', '.join(names)})",
+                                  param="tool_choice")
+        elif choice == "required":
+            forced = functions
+        if forced is not None and structured_outputs_of(req)[0] is not None:
+            raise bad_request(f"tool_choice {_choice_name(choice)} constrains the output to "
+                              f"a tool call: it does not combine with "
+                              f"{structured_outputs_of(req)[1]}", param="tool_choice")
+        return _Tools(functions, forced=forced, parse=choice != "none",
+                      parallel=req.parallel_tool_calls is not False
+                      and not isinstance(choice, NamedToolChoice))
+
+    async def _force_tool_call(self, req: ChatCompletionRequest, tools: _Tools,
+                               params: SamplingParams) -> SamplingParams:
+        """Decoding constrained to calls of the forced functions, in the model's format,
+        with arguments valid against their schemas."""
+        s = self.serving
+        fmt = s.tool_format
+        special_id = None
+        overrides: dict[str, Any] = {}
+        if fmt.start_is_special and fmt.start is not None:
+            special_id = special_token_id(s.tokenizer, fmt.start)
+            if special_id is not None:
+                overrides["skip_special_tokens"] = False  # the parser must see the marker
+        grammar = fmt.grammar(tools.forced or [], tools.parallel, special_id)
+        structured = StructuredOutputsParams(grammar=grammar)
+        try:
+            await s._run(structured.grammar_text)
+            return dataclasses.replace(params, structured_outputs=structured, **overrides)
+        except ValueError as e:
+            raise bad_request(f"the tools cannot be forced: {e}", param="tools") from e
+
+
+def _choice_name(choice: object) -> str:
+    if isinstance(choice, NamedToolChoice):
+        return f"naming {choice.function.name!r}"
+    return repr(choice)
+
+
+def special_token_id(tokenizer: Any, text: str) -> int | None:
+    """The id of `text` when it is one special (added) token of the tokenizer."""
+    added = getattr(tokenizer, "added_tokens_encoder", None) or {}
+    return added.get(text)
+
+
+@dataclass
+class _Tools:
+    functions: list[dict[str, Any]]  # OpenAI function dicts: name, description, parameters
+    forced: list[dict[str, Any]] | None  # tool_choice required or named: one of these
+    parse: bool  # tool_choice is not "none": calls in the output become tool_calls
+    parallel: bool  # more than one call allowed
+
+
 @dataclass
 class _Job:
     """One chat completion call, from engine outputs to the response (whole or streamed)."""
@@ -120,6 +223,7 @@ class _Job:
     num_prompt_tokens: int
     n: int
     num_logprobs: int | None
+    tool_format: ToolCallFormat | None = None  # parse tool calls out of the text
     created: int = field(default_factory=lambda: int(time.time()))
 
     def _usage(self, num_completion_tokens: int) -> UsageInfo:
@@ -148,9 +252,22 @@ class _Job:
             logprobs = None
             if self.num_logprobs is not None:
                 logprobs = chat_logprobs(choice.token_ids, choice.logprobs, self.num_logprobs)
+            message = ChatResponseMessage(content="".join(choice.text))
+            finish_reason = choice.finish_reason
+            if self.tool_format is not None:
+                parser = ToolCallParser(self.tool_format)
+                content = parser.feed(message.content or "")[0] + parser.finish()[0]
+                calls = parser.tool_calls
+                if calls:
+                    message = ChatResponseMessage(
+                        content=content or None,
+                        tool_calls=[ToolCall(id=c.id, function=ToolCallFunction(
+                            name=c.name, arguments=c.arguments)) for c in calls])
+                    finish_reason = _tool_finish_reason(finish_reason)
+                else:
+                    message = ChatResponseMessage(content=content)
             result.append(ChatChoice(
-                index=i, message=ChatResponseMessage(content="".join(choice.text)),
-                logprobs=logprobs, finish_reason=choice.finish_reason,
+                index=i, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=choice.stop_reason))
         num_completion_tokens = sum(len(c.token_ids) for c in choices)
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
@@ -159,6 +276,8 @@ class _Job:
     async def stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         finished: set[int] = set()
         num_completion_tokens = 0
+        parsers = ([ToolCallParser(self.tool_format) for _ in range(self.n)]
+                   if self.tool_format is not None else None)
         try:
             # OpenAI opens every choice with the role, before any content.
             yield self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
@@ -172,13 +291,18 @@ class _Job:
                     logprobs = None
                     if self.num_logprobs is not None and c.token_ids:
                         logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.num_logprobs)
-                    if not c.text and c.finish_reason is None and logprobs is None:
-                        continue  # the detokenizer is holding text back (maybe a stop string)
-                    if c.finish_reason is not None:
+                    text, calls, finish_reason = c.text, None, c.finish_reason
+                    if parsers is not None:
+                        text, calls, finish_reason = _parse_delta(parsers[c.index], c.text,
+                                                                  c.finish_reason)
+                    if not text and not calls and finish_reason is None and logprobs is None:
+                        continue  # text held back (maybe a stop string or a tool call)
+                    if finish_reason is not None:
                         finished.add(c.index)
                     yield self._chunk([ChatChunkChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text or None),
-                        logprobs=logprobs, finish_reason=c.finish_reason,
+                        index=c.index, delta=DeltaMessage(content=text or None,
+                                                          tool_calls=calls),
+                        logprobs=logprobs, finish_reason=finish_reason,
                         stop_reason=c.stop_reason)])
             if include_usage:
                 yield self._chunk([], self._usage(num_completion_tokens))
@@ -187,3 +311,24 @@ class _Job:
         finally:
             stream.close()
         yield SSE_DONE
+
+
+def _tool_finish_reason(reason: str | None) -> str | None:
+    """A choice that ends in tool calls finished for them (not for a cut: length stays)."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def _parse_delta(parser: ToolCallParser, text: str, finish_reason: str | None,
+                 ) -> tuple[str, list[DeltaToolCall] | None, str | None]:
+    """One streamed output through the choice's tool-call parser: its content, its
+    tool-call deltas (OpenAI's shape: index, id, type and name first, then arguments)."""
+    content, deltas = parser.feed(text)
+    if finish_reason is not None:
+        rest, more = parser.finish()
+        content, deltas = content + rest, deltas + more
+        if parser.tool_calls:
+            finish_reason = _tool_finish_reason(finish_reason)
+    calls = [DeltaToolCall(index=d.index, id=d.id, type="function" if d.id else None,
+                           function=DeltaFunctionCall(name=d.name, arguments=d.arguments))
+             for d in deltas]
+    return content, calls or None, finish_reason
