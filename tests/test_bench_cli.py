@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from pagedlm.entrypoints.cli import main
+from tests.conftest import requires_smollm2
 
 TINY_FLAGS = ["--skip-tokenizer-init", "--kv-cache-memory", "8M", "--num-threads", "1"]
 
@@ -113,3 +114,22 @@ def test_kv_waste_refuses_block_size(tiny_llama_dir: str,
                                      capsys: pytest.CaptureFixture) -> None:
     assert main(["bench", "kv-waste", tiny_llama_dir, "--block-size", "16"]) == 2
     assert "--block-sizes" in capsys.readouterr().err
+
+
+@requires_smollm2
+def test_structured_pairs_on_the_embedded_model(tmp_path: Path) -> None:
+    """Constrained and unconstrained runs generate the same tokens per request; every
+    constrained output that finished is a document; the ratio is theirs."""
+    out = tmp_path / "so.json"
+    rc = main(["bench", "structured", "--num-threads", "1", "--kv-cache-memory", "64M",
+               "--dataset", "random", "--num-prompts", "3", "--random-input-len", "12",
+               "--random-output-len", "10", "--fill-repeats", "3", "--output-json", str(out)])
+    assert rc == 0
+    report = read(out)
+    check_header(report, "structured", "random", 3)
+    (pair,) = report["results"]["pairs"]
+    assert pair["unconstrained"]["lengths"] == pair["json_schema"]["lengths"]
+    assert pair["ratio"] == pytest.approx(pair["json_schema"]["output_tok_s"]
+                                          / pair["unconstrained"]["output_tok_s"])
+    assert pair["json_schema"]["mask_wait_apply_ms_p99"] >= 0
+    assert set(report["results"]["mask_fill_ms_by_batch"]) == {"1", "16", "64"}

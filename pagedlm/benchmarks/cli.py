@@ -138,7 +138,7 @@ def add_bench_parser(subparsers: Any) -> None:
     from pagedlm.entrypoints.cli import add_engine_args
 
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, "
-                                                "kv-waste, plot")
+                                                "kv-waste, structured, plot")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     tp = sub.add_parser("throughput", help="offline throughput: requests/s and tokens/s")
@@ -237,6 +237,19 @@ def add_bench_parser(subparsers: Any) -> None:
     # --max-model-len is also the contiguous reservation (the pre-paging systems' 2048);
     # block sizes come from --block-sizes, so --block-size is refused (see kv_waste.main).
     kv.set_defaults(func=_cmd("kv_waste"), max_model_len=2048, block_size=None)
+
+    so = sub.add_parser("structured", help="structured outputs: the same requests with a "
+                                           "JSON schema each and unconstrained, side by side")
+    add_engine_args(so)
+    add_dataset_args(so, "sharegpt", 64, with_seed=False)
+    so.add_argument("--pairs", type=int, default=1,
+                    help="constrained + unconstrained runs, one after the other, repeated "
+                         "(the ratio's median and range are reported)")
+    so.add_argument("--fill-repeats", type=int, default=200,
+                    help="times llguidance fills the masks of 1, 16 and 64 sequences for "
+                         "the fill-time percentiles")
+    so.add_argument("--output-json", default=None, help="write the result here")
+    so.set_defaults(func=_cmd("structured"))
 
     plot = sub.add_parser("plot", help="PNG charts from result JSONs")
     plot.add_argument("kind", choices=["throughput", "latency", "kv-usage"],

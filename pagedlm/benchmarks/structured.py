@@ -1,14 +1,12 @@
-"""What structured outputs cost: the same ShareGPT requests with a JSON schema on every
-request and unconstrained (submitted at once, temperature 1, EOS ignored). The constrained
-run goes first (max_tokens the dataset's output length; a finished grammar ends its
-request); the unconstrained run then generates exactly as many tokens per request, so both
-have the same batch shape step by step and the ratio of output tokens/s is the overhead;
-the time a step waits for its masks and applies them (the critical path), and
-the time llguidance takes to fill the masks of 1, 16 and 64 sequences in mid-document
-states (median and p99).
+"""`pagedlm bench structured`: what structured outputs cost.
 
-usage: python benchmarks/cpu/structured_outputs.py [--num-prompts 64] [--pairs 1]
-           [--output-json PATH]
+The same requests with a JSON schema on every request and unconstrained (submitted at
+once, temperature 1, EOS ignored). The constrained run goes first (max_tokens the
+dataset's output length; a finished grammar ends its request); the unconstrained run then
+generates exactly as many tokens per request, so both have the same batch shape step by
+step and the ratio of output tokens/s is the overhead. Also reported: the time a step
+waits for its masks and applies them (the critical path), and the time llguidance takes to
+fill the masks of 1, 16 and 64 sequences in mid-document states (median and p99).
 """
 
 from __future__ import annotations
@@ -18,10 +16,8 @@ import json
 import statistics
 import time
 
-from pagedlm.benchmarks.common import machine_info
-from pagedlm.benchmarks.datasets import sample_sharegpt
-from pagedlm.config import EngineArgs
-from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
+from pagedlm.benchmarks.common import model_label, result_header, write_json
+from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured import StructuredOutputManager, StructuredOutputsParams
@@ -116,26 +112,33 @@ def fill_times(tokenizer, eos_ids, vocab_size: int, repeats: int = 200) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--pairs", type=int, default=1)
-    parser.add_argument("--output-json", default=None)
-    cli = parser.parse_args()
-    args = EngineArgs(weight_dtype="q8", kv_cache_dtype="float16", enable_prefix_caching=False)
-    _, tokenizer, eos_ids = load_frontend_parts(args)
-    requests = sample_sharegpt(tokenizer, cli.num_prompts, seed=0)
+def main(args: argparse.Namespace) -> int:
+    """Run `pagedlm bench structured`; returns the exit status."""
+    import torch
+
+    from pagedlm.benchmarks.cli import build_requests, dataset_info
+    from pagedlm.config import EngineArgs
+    from pagedlm.entrypoints.cli import engine_kwargs
+
+    if args.pairs < 1:
+        raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
+    kwargs = engine_kwargs(args)
+    if kwargs.get("skip_tokenizer_init"):
+        raise ValueError("structured outputs need the tokenizer: drop --skip-tokenizer-init")
+    # Prefix caching off: the second run of a pair must not reuse the first one's prompts.
+    engine = LLMEngine(EngineArgs(**{**kwargs, "enable_prefix_caching": False}))
+    tokenizer = engine.tokenizer
+    requests = build_requests(args, tokenizer, engine.vocab_size)
     requests = [r if r.prompt_token_ids is not None else
                 type(r)(r.prompt, r.prompt_len, r.output_len,
                         tuple(tokenizer(r.prompt).input_ids)) for r in requests]
-    engine = LLMEngine(args)
     engine.add_request("warmup", None, SamplingParams(
         max_tokens=4, structured_outputs=StructuredOutputsParams(json=SCHEMA)),
         prompt_token_ids=list(requests[0].prompt_token_ids))
     while engine.has_unfinished_requests():
         engine.step()
     pairs = []
-    for i in range(cli.pairs):
+    for i in range(args.pairs):
         json_run = run(engine, requests, None)
         free = run(engine, requests, json_run["lengths"])
         assert free["lengths"] == json_run["lengths"]
@@ -143,18 +146,26 @@ def main() -> None:
                       "ratio": json_run["output_tok_s"] / free["output_tok_s"]})
         print(f"pair {i}: unconstrained {free['output_tok_s']:.1f} tok/s, json schema "
               f"{json_run['output_tok_s']:.1f} tok/s, ratio {pairs[-1]['ratio']:.3f}", flush=True)
+    eos_ids = engine.eos_token_ids
+    vocab_size = engine.vocab_size
+    dtype = str(engine.dtype).removeprefix("torch.")
     engine.shutdown()
-    fills = fill_times(tokenizer, eos_ids, engine.vocab_size)
-    report = {"benchmark": "structured_outputs", "model": "SmolLM2-135M-Instruct (embedded)",
-              "engine_args": "weight_dtype q8, kv_cache_dtype float16, prefix caching off",
-              "dataset": f"sharegpt, {cli.num_prompts} prompts, seed 0, EOS ignored",
-              "schema": SCHEMA, "machine": machine_info(None), "pairs": pairs,
-              "mask_fill_ms_by_batch": fills}
-    if cli.output_json:
-        with open(cli.output_json, "w") as f:
-            json.dump(report, f, indent=1)
-    print(json.dumps({"pairs": pairs, "mask_fill_ms_by_batch": fills}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    fills = fill_times(tokenizer, eos_ids, vocab_size, repeats=args.fill_repeats)
+    ratios = sorted(p["ratio"] for p in pairs)
+    print(f"json schema / unconstrained output tok/s: median {statistics.median(ratios):.3f} "
+          f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} pairs)")
+    for k, f in fills.items():
+        print(f"llguidance mask fill, {k} sequences: median {f['median_ms']:.2f} ms, "
+              f"p99 {f['p99_ms']:.2f} ms")
+    report = result_header(
+        "structured", model=model_label(kwargs["model"]), dtype=dtype, dataset=args.dataset,
+        num_prompts=args.num_prompts, seed=args.seed, threads=torch.get_num_threads(),
+        dataset_info=dataset_info(args), pairs_requested=args.pairs,
+        engine_args={k: v for k, v in kwargs.items() if k != "model"},
+        note="prefix caching off; temperature 1, EOS ignored")
+    report["schema"] = SCHEMA
+    report["results"] = {"pairs": pairs, "ratio_median": statistics.median(ratios),
+                         "mask_fill_ms_by_batch": fills}
+    if args.output_json:
+        print(f"wrote {write_json(args.output_json, report)}")
+    return 0
