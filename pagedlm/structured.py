@@ -171,6 +171,46 @@ class PendingBitmask:
         return {"rows": self.rows, "_bitmask": self.result(), "_error": None, "_thread": None}
 
 
+class RemoteBitmask:
+    """Stands for a PendingBitmask in a tensor-parallel step message: the step goes to
+    the ranks at once and the forward starts; the engine sends the mask to rank 0 (the
+    only rank that samples) in a second message when llguidance has filled it, and rank 0
+    reads it only when it samples. So the fill overlaps the forward across processes too.
+
+    `receive` (set in each rank by its serving loop) reads the next mask message; a rank
+    that did not sample this step drops the mask with `drain_unread`, so the messages stay
+    in step."""
+
+    receive: Callable[[], torch.Tensor] | None = None
+    _unread: list[RemoteBitmask] = []
+
+    def __init__(self, rows: dict[str, int]) -> None:
+        self.rows = rows
+        self._bitmask: torch.Tensor | None = None
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        RemoteBitmask._unread.append(self)
+
+    def result(self) -> torch.Tensor:
+        if self._bitmask is None:
+            if RemoteBitmask.receive is None:
+                raise RuntimeError("a remote grammar bitmask outside a tensor-parallel rank")
+            self._bitmask = RemoteBitmask.receive()
+            RemoteBitmask._unread.remove(self)
+        return self._bitmask
+
+    @classmethod
+    def drain_unread(cls) -> None:
+        """Read (and drop) the masks of this step that nothing asked for (none come to a
+        rank that does not sample)."""
+        while cls._unread:
+            if cls.receive is None:
+                cls._unread.clear()
+            else:
+                cls._unread[0].result()
+
+
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
     """logits[rows[i], t] = -inf wherever bit t of bitmask[i] is 0 (in place; vectorised:
     one shift-and-test over [len(rows), vocab], no Python loop over rows or tokens)."""

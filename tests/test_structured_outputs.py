@@ -166,13 +166,16 @@ def test_a_matcher_error_ends_only_its_request(llm, monkeypatch):
 
 
 def test_tensor_parallel_ranks_get_the_same_masks(tiny_model_dir):  # noqa: F811
-    """With two ranks the step message carries the bitmask (pickled once filled): the same
-    constrained outputs as one process."""
+    """With two ranks the bitmask follows the step to rank 0 once filled: the same
+    constrained outputs as one process, also while a long prompt is prefilled in chunks
+    beside constrained decodes (steps where some ranks' masks are not sampled from)."""
     prompts, params = _batch([(k, s) for s in range(2) for k in ("json", "regex", "choice")])
+    prompts = [*prompts, "a long prompt " * 30]
+    params = [*params, params[0]]
     outputs = {}
     for tp in (1, 2):
         llm = LLM(tiny_model_dir, kv_cache_memory=16 << 20, max_model_len=256, seed=0,
-                  tensor_parallel_size=tp)
+                  tensor_parallel_size=tp, max_num_batched_tokens=32)
         try:
             outputs[tp] = [[c.token_ids for c in o.outputs]
                            for o in llm.generate(prompts, params, use_tqdm=False)]

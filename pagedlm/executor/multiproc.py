@@ -10,7 +10,9 @@ them (gloo on CPU, NCCL on CUDA), rendezvous on 127.0.0.1.
     <- ModelRunnerOutput of rank 0     reply                    reply None
 
 Every rank applies the same SchedulerOutput to its own persistent batch, so nothing but
-the step's small message crosses the sockets. Only rank 0 samples: the others learn the
+the step's small message crosses the sockets. A structured-output step's token bitmask,
+still being filled by llguidance when the step is sent, follows to rank 0 alone in a
+second message (structured.RemoteBitmask): the fill overlaps the forward here too. Only rank 0 samples: the others learn the
 sampled tokens from the next step's message, as every worker does (a worker never appends
 its own samples), so their batches stay in step without a broadcast.
 
@@ -39,11 +41,17 @@ import tempfile
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
+from typing import TYPE_CHECKING
 
 from pagedlm.config import EngineArgs
 from pagedlm.csrc import PREBUILT_ENV, load_all_extensions
 from pagedlm.executor.base import RankedExecutor
 from pagedlm.layers.parallel_state import shm_segment_bytes
+from pagedlm.structured import RemoteBitmask
+
+if TYPE_CHECKING:
+    from pagedlm.core.sched_output import SchedulerOutput
+    from pagedlm.worker.model_runner import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +197,11 @@ class MultiprocExecutor(RankedExecutor):
 
     def _call(self, method: str, *args) -> list:
         """Run `method` on every rank; returns each rank's result."""
+        self._send(method, *args)
+        return self._gather(timeout=None, what=method)
+
+    def _send(self, method: str, *args) -> None:
+        """Start `method` on every rank (pickled once)."""
         if self._failed is not None:
             raise WorkerError(f"the tensor-parallel workers stopped earlier: {self._failed}")
         data = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -197,7 +210,24 @@ class MultiprocExecutor(RankedExecutor):
                 conn.send_bytes(data)
         except (OSError, ValueError):
             pass  # a dead rank: _gather reports which
-        return self._gather(timeout=None, what=method)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """The step goes to every rank at once; a grammar bitmask still being filled
+        follows to rank 0 alone, so the fill overlaps the ranks' forward."""
+        pending = sched.grammar_bitmask
+        if pending is None:
+            return super().execute_model(sched)
+        sched.grammar_bitmask = RemoteBitmask(pending.rows)
+        try:
+            self._send("execute_model", sched)
+        finally:
+            sched.grammar_bitmask = pending
+        try:
+            self.conns[0].send_bytes(pickle.dumps(pending.result(),
+                                                  protocol=pickle.HIGHEST_PROTOCOL))
+        except (OSError, ValueError):
+            pass  # a dead rank: _gather reports which
+        return self._gather(timeout=None, what="execute_model")[0]
 
     def _gather(self, timeout: float | None, what: str) -> list:
         """Each rank's reply. A rank that dies closes its socket, which wakes the wait at

@@ -25,6 +25,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 
 from pagedlm.executor.multiproc import ENV_ADDRESS, ENV_TOKEN
+from pagedlm.structured import RemoteBitmask
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
@@ -93,6 +94,10 @@ def serve(conn: Connection) -> None:
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    # Rank 0 reads a step's grammar bitmask, sent after the step, when it samples (the
+    # other ranks do not sample and are sent none).
+    if rank == 0:
+        RemoteBitmask.receive = lambda: pickle.loads(conn.recv_bytes())
     while True:
         try:
             method, method_args = pickle.loads(conn.recv_bytes())
@@ -102,6 +107,7 @@ def serve(conn: Connection) -> None:
             break
         try:
             result = getattr(worker, method)(*method_args)
+            RemoteBitmask.drain_unread()
             # Every rank computes the same step result; only rank 0's crosses back.
             conn.send(("ok", result if rank == 0 or method != "execute_model" else None))
         except BaseException:
