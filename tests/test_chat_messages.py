@@ -92,3 +92,34 @@ def test_smollm2_template_renders_the_taught_history(tokenizer):
     text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     assert text.count("<|im_start|>") == 5  # system, user, assistant, results, next turn
     assert "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Rome\"}}" in text
+
+
+def test_serving_renders_tools_through_a_template_that_takes_them(tokenizer):
+    """The server's render path: a template that renders `tools` gets them, and picks the
+    format its markers name."""
+    import asyncio
+    import copy
+    from types import SimpleNamespace
+
+    from pagedlm.entrypoints.openai.serving import Serving
+
+    native = copy.deepcopy(tokenizer)
+    native.chat_template = NATIVE_TEMPLATE + "{# <tool_call> #}"
+    engine = SimpleNamespace(tokenizer=native, max_model_len=2048, vocab_size=49152)
+    serving = Serving(engine, ["m"])
+    try:
+        assert serving.template_takes_tools and serving.tool_format.name == "hermes"
+        text, ids = asyncio.run(serving.render_chat(MESSAGES, add_generation_prompt=False,
+                                                    tools=[WEATHER]))
+    finally:
+        serving.close()
+    assert text.startswith("<tools>get_weather;</tools>") and "[get_weather]18C" in text
+    assert ids == native(text, add_special_tokens=False).input_ids
+    taught = Serving(SimpleNamespace(tokenizer=tokenizer, max_model_len=2048,
+                                     vocab_size=49152), ["m"])
+    try:
+        assert not taught.template_takes_tools and taught.tool_format.name == "hermes"
+        text, _ = asyncio.run(taught.render_chat(MESSAGES, tools=[WEATHER]))
+    finally:
+        taught.close()
+    assert json.dumps(WEATHER) in text and text.endswith("<|im_start|>assistant\n")

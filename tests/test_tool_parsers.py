@@ -223,3 +223,29 @@ def test_forcing_grammar_takes_valid_calls_only(llg_tokenizer, fmt):
     assert not _accepts(llg_tokenizer, one, text(("get_weather", {"city": "P", "x": 1})))
     assert not _accepts(llg_tokenizer, one, text(("calc", {"expression": "1" * 21})))  # $defs
     assert not _accepts(llg_tokenizer, one, text(("search", {"q": "x"})))  # not a tool
+
+
+def test_mistral_marker_as_a_special_token(llg_tokenizer):
+    """Where [TOOL_CALLS] is a special token, the forcing grammar asks for that token (not
+    its spelling in ordinary tokens), and the parser reads the text detokenized with it."""
+    import copy
+
+    from llguidance import LLMatcher
+    from llguidance.hf import from_tokenizer
+
+    from pagedlm.entrypoints.openai.serving_chat import special_token_id
+
+    hf = copy.deepcopy(llg_tokenizer[0])
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    marker = special_token_id(hf, "[TOOL_CALLS]")
+    assert marker is not None and special_token_id(hf, "<tool_call>") is None
+    grammar = MISTRAL.grammar([WEATHER], parallel=False, special_start_id=marker)
+    call = '[{"name":"get_weather","arguments":{"city":"Oslo"}}]'
+    tokens = [marker, *hf(call, add_special_tokens=False).input_ids]
+    matcher = LLMatcher(from_tokenizer(hf), grammar, log_level=0)
+    assert not matcher.is_error(), matcher.get_error()
+    assert all(matcher.consume_token(t) for t in tokens) and matcher.is_accepting()
+    spelled = LLMatcher(from_tokenizer(hf), grammar, log_level=0)
+    assert not spelled.consume_token(hf("[", add_special_tokens=False).input_ids[0])
+    text = hf.decode(tokens, skip_special_tokens=False)
+    assert parse_whole(MISTRAL, text) == ("", [("get_weather", '{"city":"Oslo"}')])
