@@ -187,36 +187,39 @@ def _streamed_message(chunks) -> tuple[str, list[dict], str | None]:
 
 
 def test_smollm2_tool_choices(smol_server):
-    """auto, required and a named function, whole and streamed, on the real model."""
+    """auto, required and a named function on the real model, each whole and streamed
+    (the stream rebuilt gives the same content and calls)."""
     import openai
 
     GetWeather, weather_tool = _weather_tool()
     client = openai.OpenAI(base_url=f"{smol_server.url}/v1", api_key="unused", max_retries=0)
-    tools = [weather_tool, CALCULATOR_TOOL]
     messages = [{"role": "user", "content": "What's the weather like in Paris today?"}]
-    common = dict(model="SmolLM2-135M-Instruct", messages=messages, tools=tools,
-                  temperature=0, max_completion_tokens=64)
-    # auto: this small model answers in words here; whatever it does, no markup leaks
-    auto = client.chat.completions.create(**common, tool_choice="auto").choices[0]
-    assert "<tool_call>" not in (auto.message.content or "")
-    assert (auto.finish_reason == "tool_calls") == bool(auto.message.tool_calls)
-    # required: a call with arguments the schema accepts, streamed like the whole one
-    required = client.chat.completions.create(**common, tool_choice="required",
-                                              parallel_tool_calls=False).choices[0]
-    assert required.finish_reason == "tool_calls" and required.message.content is None
-    (call,) = required.message.tool_calls
-    assert call.function.name == "get_weather"
-    GetWeather.model_validate_json(call.function.arguments)
-    content, calls, finish = _streamed_message(client.chat.completions.create(
-        **common, tool_choice="required", parallel_tool_calls=False, stream=True))
-    assert (content, finish) == ("", "tool_calls")
-    assert [c["function"]["arguments"] for c in calls] == [call.function.arguments]
+    common = dict(model="SmolLM2-135M-Instruct", messages=messages,
+                  tools=[weather_tool, CALCULATOR_TOOL], temperature=0,
+                  max_completion_tokens=64, parallel_tool_calls=False)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("auto", "required", named):
+        whole = client.chat.completions.create(**common, tool_choice=choice).choices[0]
+        calls = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": c.function.arguments}}
+            for c in whole.message.tool_calls or []]
+        content, streamed, finish = _streamed_message(client.chat.completions.create(
+            **common, tool_choice=choice, stream=True))
+        assert (content or None, finish) == (whole.message.content, whole.finish_reason)
+        assert [c["function"] for c in streamed] == [c["function"] for c in calls]
+        assert "<tool_call>" not in (whole.message.content or "")
+        assert (whole.finish_reason == "tool_calls") == bool(calls)
+        if choice == "auto":
+            continue  # this small model answers in words here; no markup leaked
+        assert whole.message.content is None and len(calls) == 1
+        assert calls[0]["function"]["name"] == "get_weather"
+        GetWeather.model_validate_json(calls[0]["function"]["arguments"])
     # named, through the client's .parse(): the arguments come back as the pydantic object
     parsed = client.chat.completions.parse(
         **{**common, "tools": [weather_tool]},  # .parse() takes strict tools only
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    (named,) = parsed.choices[0].message.tool_calls
-    assert isinstance(named.function.parsed_arguments, GetWeather)
+        tool_choice=named)
+    (call,) = parsed.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, GetWeather)
 
 
 def test_smollm2_agent_loop(smol_server):
