@@ -37,7 +37,9 @@ def test_stream_matches_offline_and_abort_frees_blocks(tiny_llama_dir):
                                                use_tqdm=False)[0]
 
     async def main() -> None:
-        engine = AsyncLLMEngine(_engine(tiny_llama_dir))
+        offline = _engine(tiny_llama_dir)
+        core = offline.core  # run by the engine's thread: read its blocks directly
+        engine = AsyncLLMEngine(offline)
         engine.start()
         try:
             stream = engine.open_stream()
@@ -49,15 +51,17 @@ def test_stream_matches_offline_and_abort_frees_blocks(tiny_llama_dir):
             assert output.finished
             assert [tokens[0], tokens[1]] == [c.token_ids for c in expected.outputs]
 
-            total = engine.stats.num_blocks_total
+            manager = core.kv_cache_manager
+            total = manager.num_blocks
+            assert manager.num_free_blocks == total
             long = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False)
             stream = engine.open_stream()
             await stream.add("b", None, PROMPT, long)
-            await stream.__anext__()
-            await _wait_until(lambda: engine.stats.num_blocks_free < total)
-            stream.close()
-            await _wait_until(lambda: engine.stats.num_blocks_free == total)
-            assert engine.stats.num_requests_running == 0
+            await stream.__anext__()  # a token came: the request holds blocks now
+            assert manager.num_free_blocks < total
+            stream.close()  # the abort reaches the core's thread, which frees them
+            await _wait_until(lambda: manager.num_free_blocks == total
+                              and not core.scheduler.has_unfinished_requests())
 
             with pytest.raises(ValueError, match="maximum context length"):
                 await engine.open_stream().add("c", None, [1] * 300, long)
