@@ -46,3 +46,25 @@ def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch
 
     LLM(tiny_llama_dir, skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=128)
     assert calls == ["prepared"]
+
+
+def test_a_killed_build_leaves_no_lock_to_wait_on_forever(tmp_path, monkeypatch, caplog):
+    """torch's builder waits, silently and forever, on a lock file its killed predecessor
+    left: an old one is removed (and said), a fresh one is another build (said too)."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = csrc._built_library("sampler_cpu").parent / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        csrc._clear_stale_lock("sampler_cpu")
+    assert lock.exists() and "waiting for another process building the sampler_cpu" in caplog.text
+    old = time.time() - csrc.STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        csrc._clear_stale_lock("sampler_cpu")
+    assert not lock.exists() and "removing the stale build lock" in caplog.text
+    csrc._clear_stale_lock("sampler_cpu")  # no lock: nothing to say or do

@@ -63,6 +63,7 @@ def load_extension(stem: str) -> ModuleType | None:
     if prebuilt is not None:
         return _import_library(extension_name(stem), prebuilt)
     source = CSRC_DIR / f"{stem}.cpp"
+    _clear_stale_lock(stem)
     try:
         from torch.utils.cpp_extension import load
 
@@ -79,6 +80,30 @@ def load_extension(stem: str) -> ModuleType | None:
         logger.warning("CPU kernels %s unavailable (%s: %s); using the torch path", stem,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
+
+
+# A build takes a minute or two; torch's builder holds a lock file meanwhile and every
+# other process waits for it, silently and forever if the builder was killed mid-build.
+STALE_LOCK_S = 15 * 60
+
+
+def _clear_stale_lock(stem: str) -> None:
+    """Remove a build lock no build can still hold (older than STALE_LOCK_S: its builder
+    was killed), and say so; a fresh one means another process is building: say that."""
+    import time
+
+    lock = _built_library(stem).parent / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return  # no lock: nobody is building
+    if age > STALE_LOCK_S:
+        logger.warning("removing the stale build lock %s (%.0f min old: its build was "
+                       "killed)", lock, age / 60)
+        lock.unlink(missing_ok=True)
+    else:
+        logger.warning("waiting for another process building the %s kernel (lock %s, %.0f s "
+                       "old; if no pagedlm is running, delete it)", stem, lock, age)
 
 
 def extension_name(stem: str) -> str:
