@@ -120,6 +120,20 @@ def _remote_config(raw: dict, error: Exception):
     raise error  # a supported architecture with a model_type we cannot map
 
 
+# The weights' progress bar appears once loading has taken this long (a big model; the
+# embedded one loads in about a second and shows none).
+PROGRESS_DELAY_S = 2.0
+
+
+def _with_progress(weights, total: int):
+    """The checkpoint's tensors, with a progress bar on stderr if loading takes a while."""
+    from tqdm import tqdm
+
+    with tqdm(weights, total=total, desc="loading weights", unit=" tensors",
+              delay=PROGRESS_DELAY_S, dynamic_ncols=True) as bar:
+        yield from bar
+
+
 def build_model(
     source: ModelSource,
     backend,
@@ -142,11 +156,13 @@ def build_model(
         return model.eval()
     if source.format == "gguf":
         weights = source.gguf.weights()
+        total = len(source.gguf.tensor_infos)
     else:
-        from pagedlm.loader.safetensors_loader import iterate_safetensors
+        from pagedlm.loader.safetensors_loader import count_safetensors, iterate_safetensors
 
         weights = iterate_safetensors(source.path)
-    loaded = model.load_weights(weights)
+        total = count_safetensors(source.path)
+    loaded = model.load_weights(_with_progress(weights, total))
     missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (

@@ -58,6 +58,15 @@ def list_safetensors_files(model_dir: str | os.PathLike[str]) -> list[Path]:
     raise FileNotFoundError(f"No *.safetensors files in {path}")
 
 
+def count_safetensors(model_dir: str | os.PathLike[str]) -> int:
+    """How many tensors the checkpoint holds (read from the files' headers only)."""
+    total = 0
+    for file in list_safetensors_files(model_dir):
+        with safe_open(os.fspath(file), framework="pt", device="cpu") as f:
+            total += len(f.keys())
+    return total
+
+
 def iterate_safetensors(
     model_dir: str | os.PathLike[str],
     dtype: torch.dtype | None = None,
