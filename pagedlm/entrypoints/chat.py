@@ -12,7 +12,7 @@ HELP = "Type a message and press Enter. /clear forgets the conversation, /exit (
 
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     from pagedlm import LLM
-    from pagedlm.entrypoints.cli import engine_kwargs, sampling_params
+    from pagedlm.entrypoints.cli import describe_sampling, engine_kwargs, sampling_params
 
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
@@ -26,7 +26,8 @@ def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     interactive = stdin.isatty()
-    print(f"pagedlm chat with {engine.model_path}. {HELP}", file=stdout, flush=True)
+    print(f"pagedlm chat with {engine.model_path}. {HELP}\n{describe_sampling(params)}",
+          file=stdout, flush=True)
     turn = 0
     while True:
         if interactive:

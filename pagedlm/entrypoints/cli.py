@@ -133,6 +133,19 @@ def sampling_params(args: argparse.Namespace):
     )
 
 
+def describe_sampling(params) -> str:
+    """The sampling settings in one line, as generate and chat state them."""
+    parts = ["greedy" if params.temperature == 0 else f"temperature {params.temperature:g}"]
+    if params.temperature != 0:
+        parts += [f"top-p {params.top_p:g}"] if params.top_p < 1 else []
+        parts += [f"top-k {params.top_k}"] if params.top_k > 0 else []
+        parts += [f"min-p {params.min_p:g}"] if params.min_p > 0 else []
+    if params.repetition_penalty != 1:
+        parts.append(f"repetition penalty {params.repetition_penalty:g}")
+    parts.append(f"at most {params.max_tokens} tokens")
+    return "sampling: " + ", ".join(parts) + " (see --help to change)"
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedlm import LLM
 
@@ -143,6 +156,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args._parser.error(f"give the prompt with -p/--prompt{hint}")
     llm = LLM(**engine_kwargs(args))
     params = sampling_params(args)
+    print(describe_sampling(params), file=sys.stderr)  # stdout stays the replies alone
     tokenizer = llm.get_tokenizer()
     use_chat = not args.no_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None)
     for prompt in args.prompt:
