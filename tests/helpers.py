@@ -1,8 +1,20 @@
-"""Comparison helpers shared by the model tests."""
+"""Comparison helpers shared by the model tests, and the GGUF tests' tiny tokenizer."""
 
 from __future__ import annotations
 
 import torch
+
+
+# GGUF test tokenizer, a byte-level BPE: GPT-2's byte -> unicode spelling, rebuilt here so the
+# tests do not lean on the loader's copy, then <|endoftext|> (id 256) and three merges.
+def _gpt2_byte_chars() -> list[str]:
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+TINY_TOKENS = [*_gpt2_byte_chars(), "<|endoftext|>", "he", "ll", "Ġw"]
+TINY_MERGES = ["h e", "l l", "Ġ w"]
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:

@@ -20,6 +20,7 @@ from pagedlm.loader.gguf_loader import (
 )
 from pagedlm.loader.safetensors_loader import iterate_safetensors, list_safetensors_files
 from pagedlm.loader.tokenizer import load_tokenizer
+from tests.helpers import TINY_MERGES, TINY_TOKENS
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,17 +69,6 @@ def llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     dimension [x_0..x_{D/2-1} | y_0..y_{D/2-1}] become interleaved pairs [x_0, y_0, x_1, y_1, ...]."""
     half = w.shape[0] // n_head // 2
     return w.reshape(n_head, 2, half, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-# GPT-2's byte -> unicode spelling, rebuilt here so the test does not lean on the loader's copy.
-def _gpt2_byte_chars() -> list[str]:
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
-    extra = iter(range(256, 512))
-    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
-
-
-TINY_TOKENS = [*_gpt2_byte_chars(), "<|endoftext|>", "he", "ll", "Ġw"]
-TINY_MERGES = ["h e", "l l", "Ġ w"]
 
 
 def write_tiny_gguf(

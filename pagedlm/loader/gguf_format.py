@@ -12,9 +12,10 @@ where a string is ``len u64`` + UTF-8 bytes and an array is ``elem_type u32, cou
 
 from __future__ import annotations
 
+import functools
 import mmap
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -166,7 +167,15 @@ def _parse_header(buf: mmap.mmap) -> tuple[int, dict[str, Any], dict[str, GGUFTe
         n_dims = p.u32()
         dims = struct.unpack_from(f"<{n_dims}Q", buf, p.pos)
         p.pos += 8 * n_dims
-        ggml_type = GGMLQuantizationType(p.u32())
+        type_id = p.u32()
+        try:
+            ggml_type = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise ValueError(
+                f"GGUF tensor {name!r} has GGML type {type_id}, which the installed gguf package "
+                f"does not know (a newer quantisation: `pip install -U gguf` may help); supported "
+                f"types: {', '.join(supported_type_names())}"
+            ) from None
         offset = p.u64()
         raw_infos.append((name, dims, ggml_type, offset))
 
@@ -352,6 +361,7 @@ def _dequant_q6_k(blocks: np.ndarray) -> np.ndarray:
     return out.reshape(-1, 256)
 
 
+_PLAIN_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16})
 _FAST_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     GGMLQuantizationType.Q8_0: _dequant_q8_0,
     GGMLQuantizationType.Q4_0: _dequant_q4_0,
@@ -364,6 +374,35 @@ _FAST_DEQUANT: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = 
     GGMLQuantizationType.Q5_K: _dequant_q5_k,
     GGMLQuantizationType.Q6_K: _dequant_q6_k,
 }
+
+
+@functools.cache
+def can_dequantize(ggml_type: GGMLQuantizationType) -> bool:
+    """Whether `dequantize_raw` handles the type: ours, or one block through the gguf
+    package's reference code (which raises NotImplementedError for the rest)."""
+    if ggml_type in _PLAIN_TYPES or ggml_type in _FAST_DEQUANT:
+        return True
+    if ggml_type not in GGML_QUANT_SIZES:
+        return False
+    try:
+        gguf_dequantize(np.zeros((1, GGML_QUANT_SIZES[ggml_type][1]), dtype=np.uint8), ggml_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def supported_type_names() -> list[str]:
+    return [t.name for t in GGMLQuantizationType if can_dequantize(t)]
+
+
+def check_dequantizable(infos: Iterable[GGUFTensorInfo]) -> None:
+    """ValueError naming the first tensor stored in a type we cannot dequantise."""
+    for info in infos:
+        if not can_dequantize(info.ggml_type):
+            raise ValueError(
+                f"GGUF tensor {info.name!r} is stored as {info.ggml_type.name}, which pagedlm cannot "
+                f"dequantise; use a file quantised to supported types: {', '.join(supported_type_names())}"
+            )
 
 
 def dequantize_raw(
