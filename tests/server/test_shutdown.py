@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.server.conftest import TINY_ARGS, TINY_NAME, ServerProcess
+from tests.server.conftest import TINY_ARGS, TINY_NAME, ServerProcess, metric_value
 
 httpx = pytest.importorskip("httpx")
 
@@ -72,6 +72,13 @@ def _assert_turned_away(url: str) -> None:
         assert http.get("/metrics").status_code == 200  # scrapes still see the drain
 
 
+def _in_engine(url: str) -> float:
+    """Sequences running or waiting, from /metrics (refreshed every step or 0.2 s)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return (metric_value(text, "pagedlm:num_requests_running")
+            + metric_value(text, "pagedlm:num_requests_waiting"))
+
+
 def _sigterm_with_calls_in_flight(server: ServerProcess, num_calls: int,
                                   max_tokens: int) -> list[Call]:
     """Start the calls (streamed and not, alternately), SIGTERM the server once the first
@@ -82,7 +89,12 @@ def _sigterm_with_calls_in_flight(server: ServerProcess, num_calls: int,
     for call in calls:
         call.start()
     assert calls[0].started.wait(60), server.log()
-    time.sleep(0.3)  # the rest are queued in the engine
+    # Every call is in the engine (one running, the rest queued) before the signal: a call
+    # that arrived after it would rightly be turned away, which is not what is tested.
+    deadline = time.monotonic() + 60
+    while _in_engine(server.url) < num_calls:
+        assert time.monotonic() < deadline, server.log()
+        time.sleep(0.05)
     server.proc.send_signal(signal.SIGTERM)
     time.sleep(0.2)
     _assert_turned_away(server.url)
