@@ -1,0 +1,92 @@
+"""The README's first command, as written, in a fresh virtualenv: it installs pagedlm and
+its dependencies, starts the server on the embedded default model, and the server answers.
+
+(The second command, the tests' install and run, is what CI itself runs.) The virtualenv
+shares nothing with this interpreter's packages; pip reads the same configuration (local
+wheels, PyPI), and the default model comes from this user's cache when an earlier test
+fetched it, as on a user's second project. The server runs without the C++ CPU kernels
+(PAGEDLM_DISABLE_CPU_KERNELS): built against the virtualenv's torch they would take minutes
+and displace the builds every other test uses; tests/test_kernel_prepare.py covers them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import requires_smollm2
+from tests.server.conftest import free_port
+
+pytestmark = [requires_smollm2, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def first_command() -> str:
+    readme = (REPO / "README.md").read_text()
+    quick_start = readme[readme.index("## Quick start"):]
+    return re.search(r"```bash\n(.*?)\n```", quick_start, flags=re.S).group(1).strip()
+
+
+def test_readme_first_command_in_a_fresh_virtualenv(tmp_path):
+    command = first_command()
+    install, _, serve = command.partition(" && ")
+    assert shlex.split(serve) == ["pagedlm", "serve"], command
+    argv = shlex.split(install)
+    assert argv[:2] == ["pip", "install"] and "-e" in argv and "." in argv, command
+
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    bin_dir = env_dir / "bin"
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
+    env["PAGEDLM_DISABLE_CPU_KERNELS"] = "1"
+    started = time.monotonic()
+    subprocess.run([str(bin_dir / "pip"), *argv[1:], "--quiet"], cwd=REPO, env=env,
+                   check=True, timeout=1200)
+    install_s = time.monotonic() - started
+    # pagedlm comes from the virtualenv, not from this interpreter's site-packages.
+    where = subprocess.run([str(bin_dir / "python"), "-c", "import pagedlm, torch, sys; "
+                            "print(sys.prefix)"], env=env, capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert Path(where) == env_dir and Path(where) != Path(sys.prefix)
+
+    port = free_port()
+    log = open(tmp_path / "serve.log", "w")
+    started = time.monotonic()
+    proc = subprocess.Popen([str(bin_dir / "pagedlm"), "serve", "--port", str(port)],
+                            cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        import httpx
+
+        url = f"http://127.0.0.1:{port}"
+        while True:
+            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
+            assert time.monotonic() - started < 600, "not ready in 10 minutes"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        ready_s = time.monotonic() - started
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        print(f"\nREADME first command in a fresh venv: install {install_s:.0f} s, "
+              f"server ready {ready_s:.0f} s later")
+    finally:
+        proc.terminate()
+        proc.wait(60)
+        log.close()
