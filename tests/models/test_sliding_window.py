@@ -102,14 +102,14 @@ def test_greedy_matches_hf_past_several_windows(tiny, chunk) -> None:
     assert llm.stats().prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("tiny", [m for m, spec in MODELS.items() if spec[3] is not None],
+                         indirect=True)  # masking-only models free nothing: no small cache
 def test_forks_prefix_hits_and_small_cache(tiny) -> None:
     """n=2 samples share the prompt's blocks (and copy the partial one), twice, in a cache
     far smaller than prompt + generation of every request together. (The freed early
     blocks are reused long before the second round: the chained prefix lookup stops at
     the first evicted block, so this round has no hits, which is correct.)"""
     name, path, hf, refs, window = tiny
-    if window is None:
-        pytest.skip("masking-only model: the small cache would not hold the requests")
     # 40 usable blocks (160 tokens); each request alone runs to 98 tokens.
     block_bytes = 2 * BASE["num_hidden_layers"] * BS * BASE["num_key_value_heads"] * 16 * 4
     llm = LLM(path, skip_tokenizer_init=True, block_size=BS, kv_cache_memory=41 * block_bytes,
