@@ -72,11 +72,13 @@ def _assert_turned_away(url: str) -> None:
         assert http.get("/metrics").status_code == 200  # scrapes still see the drain
 
 
-def _in_engine(url: str) -> float:
-    """Sequences running or waiting, from /metrics (refreshed every step or 0.2 s)."""
+def _accepted(url: str) -> float:
+    """Sequences the engine took: running, waiting or finished, from /metrics."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
+    finished = sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.startswith("pagedlm:request_success_total{"))
     return (metric_value(text, "pagedlm:num_requests_running")
-            + metric_value(text, "pagedlm:num_requests_waiting"))
+            + metric_value(text, "pagedlm:num_requests_waiting") + finished)
 
 
 def _sigterm_with_calls_in_flight(server: ServerProcess, num_calls: int,
@@ -89,10 +91,10 @@ def _sigterm_with_calls_in_flight(server: ServerProcess, num_calls: int,
     for call in calls:
         call.start()
     assert calls[0].started.wait(60), server.log()
-    # Every call is in the engine (one running, the rest queued) before the signal: a call
-    # that arrived after it would rightly be turned away, which is not what is tested.
+    # Every call is in the engine (running, queued or done) before the signal: a call that
+    # arrived after it would rightly be turned away, which is not what is tested.
     deadline = time.monotonic() + 60
-    while _in_engine(server.url) < num_calls:
+    while _accepted(server.url) < num_calls:
         assert time.monotonic() < deadline, server.log()
         time.sleep(0.05)
     server.proc.send_signal(signal.SIGTERM)
