@@ -50,8 +50,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 def default_model_path() -> str:
     """Path of the embedded default model, SmolLM2-135M-Instruct Q4_1 GGUF: the installed

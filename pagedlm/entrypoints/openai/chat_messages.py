@@ -48,15 +48,18 @@ def conversation(messages: Sequence[ChatMessage], *, tools: Sequence[dict[str, A
     if template_takes_tools:
         return [_native(m, names) for m in messages]
     out: list[dict[str, Any]] = []
+    results: dict[str, Any] | None = None  # the user turn of the current round of results
     for message in messages:
         if message.role == "tool":
             name = names.get(message.tool_call_id or "", message.name) or "the function"
             block = f"The result of {name}: {_text(message)}"
-            if out and out[-1].get("_tool_results"):
-                out[-1]["content"] += "\n" + block  # one turn for a round of results
+            if results is not None:
+                results["content"] += "\n" + block  # one turn for a round of results
             else:
-                out.append({"role": "user", "content": block, "_tool_results": True})
+                results = {"role": "user", "content": block}
+                out.append(results)
             continue
+        results = None
         entry = {"role": _role(message), "content": _text(message)}
         if message.tool_calls:
             calls = fmt.render_calls([(c.function.name, _arguments(c.function.arguments))
@@ -65,8 +68,6 @@ def conversation(messages: Sequence[ChatMessage], *, tools: Sequence[dict[str, A
         if message.name is not None:
             entry["name"] = message.name
         out.append(entry)
-    for entry in out:
-        entry.pop("_tool_results", None)
     if tools:
         prompt = fmt.system_prompt(tools)
         if out and out[0]["role"] == "system":

@@ -165,10 +165,12 @@ class ChatServing:
                                   param="tool_choice")
         elif choice == "required":
             forced = functions
-        if forced is not None and structured_outputs_of(req)[0] is not None:
-            raise bad_request(f"tool_choice {_choice_name(choice)} constrains the output to "
-                              f"a tool call: it does not combine with "
-                              f"{structured_outputs_of(req)[1]}", param="tool_choice")
+        if forced is not None:
+            constraint, source = structured_outputs_of(req)
+            if constraint is not None:
+                raise bad_request(f"tool_choice {_choice_name(choice)} constrains the output "
+                                  f"to a tool call: it does not combine with {source}",
+                                  param="tool_choice")
         return _Tools(functions, forced=forced, parse=choice != "none",
                       parallel=req.parallel_tool_calls is not False
                       and not isinstance(choice, NamedToolChoice))
