@@ -270,3 +270,24 @@ def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> 
             continue
         return float(value)
     return 0.0
+
+
+def stream_tool_calls(chunks) -> tuple[str, list[dict], str | None]:
+    """Content, tool calls (as an assistant message carries them) and finish reason rebuilt
+    from a chat stream, as agent SDKs do, checking OpenAI's delta shape on the way: a
+    call's first delta has its id, type and name, the later ones arguments only."""
+    content, calls, finish = "", {}, None
+    for chunk in chunks:
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for d in c.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.type == "function" and d.function.name, d
+                    calls[d.index] = {"id": d.id, "type": "function", "function": {
+                        "name": d.function.name, "arguments": ""}}
+                else:
+                    assert d.id is None and d.function.name is None, d
+                calls[d.index]["function"]["arguments"] += d.function.arguments or ""
+    assert sorted(calls) == list(range(len(calls)))
+    return content, [calls[i] for i in sorted(calls)], finish

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import requires_smollm2
-from tests.server.conftest import ServerProcess, _start
+from tests.server.conftest import ServerProcess, _start, stream_tool_calls
 
 pytestmark = [requires_smollm2, pytest.mark.slow]
 
@@ -170,22 +170,6 @@ def _weather_tool():
     return GetWeather, openai.pydantic_function_tool(GetWeather, name="get_weather")
 
 
-def _streamed_message(chunks) -> tuple[str, list[dict], str | None]:
-    """Content, tool calls and finish reason rebuilt from a stream, as agent SDKs do."""
-    content, calls, finish = "", {}, None
-    for chunk in chunks:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                if d.index not in calls:
-                    assert d.id and d.function.name, "id and name open a call"
-                    calls[d.index] = {"id": d.id, "type": "function", "function": {
-                        "name": d.function.name, "arguments": ""}}
-                calls[d.index]["function"]["arguments"] += d.function.arguments or ""
-    return content, [calls[i] for i in sorted(calls)], finish
-
-
 def test_smollm2_tool_choices(smol_server):
     """auto, required and a named function on the real model, each whole and streamed
     (the stream rebuilt gives the same content and calls)."""
@@ -203,7 +187,7 @@ def test_smollm2_tool_choices(smol_server):
         calls = [{"id": c.id, "type": "function", "function": {
             "name": c.function.name, "arguments": c.function.arguments}}
             for c in whole.message.tool_calls or []]
-        content, streamed, finish = _streamed_message(client.chat.completions.create(
+        content, streamed, finish = stream_tool_calls(client.chat.completions.create(
             **common, tool_choice=choice, stream=True))
         assert (content or None, finish) == (whole.message.content, whole.finish_reason)
         assert [c["function"] for c in streamed] == [c["function"] for c in calls]
@@ -239,7 +223,7 @@ def test_smollm2_agent_loop(smol_server):
                                                                      CALCULATOR_TOOL],
             tool_choice=choice, parallel_tool_calls=False, temperature=0,
             max_completion_tokens=96, stream=True)
-        content, calls, finish = _streamed_message(chunks)
+        content, calls, finish = stream_tool_calls(chunks)
         if not calls:
             assert finish == "stop" and "<tool_call>" not in content
             break

@@ -11,7 +11,7 @@ import json
 import httpx
 import pytest
 
-from tests.server.conftest import API_KEY, TINY_NAME
+from tests.server.conftest import API_KEY, TINY_NAME, stream_tool_calls
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -67,33 +67,14 @@ def test_named_function_and_no_parallel_calls(client):
         check_calls(choice.message.tool_calls)
 
 
-def _collect_stream(chunks):
-    """Tool calls rebuilt from the deltas, checking OpenAI's delta shape on the way."""
-    calls: dict[int, dict] = {}
-    content, finish = "", None
-    for chunk in chunks:
-        for c in chunk.choices:
-            content += c.delta.content or ""
-            finish = c.finish_reason or finish
-            for d in c.delta.tool_calls or []:
-                if d.index not in calls:
-                    assert d.id and d.type == "function" and d.function.name, d
-                    calls[d.index] = {"id": d.id, "name": d.function.name, "arguments": ""}
-                else:
-                    assert d.id is None and d.function.name is None, d
-                calls[d.index]["arguments"] += d.function.arguments or ""
-    assert sorted(calls) == list(range(len(calls)))
-    return content, [calls[i] for i in sorted(calls)], finish
-
-
 def test_streamed_tool_calls_match_the_whole_response(client):
     kwargs = dict(model=TINY_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="required",
                   temperature=0, max_completion_tokens=300)
     whole = client.chat.completions.create(**kwargs).choices[0]
-    content, calls, finish = _collect_stream(client.chat.completions.create(**kwargs,
+    content, calls, finish = stream_tool_calls(client.chat.completions.create(**kwargs,
                                                                             stream=True))
     assert finish == "tool_calls" and content == ""
-    assert [(c["name"], c["arguments"]) for c in calls] == [
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
 
 
@@ -115,15 +96,15 @@ def test_auto_parses_calls_out_of_the_text(client, stream):
         model=TINY_NAME, messages=MESSAGES, tools=TOOLS, tool_choice="auto", stream=stream,
         max_completion_tokens=100, extra_body={"guided_regex": _regex(FORCED_TEXT)})
     if stream:
-        content, calls, finish = _collect_stream(r)
+        content, calls, finish = stream_tool_calls(r)
     else:
         choice = r.choices[0]
         content, finish = choice.message.content, choice.finish_reason
-        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
-                 for c in choice.message.tool_calls]
+        calls = [c.model_dump() for c in choice.message.tool_calls]
     assert content == "Checking the weather."  # no markup in the content
     assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in calls] == [
         ("get_weather", {"city": "Paris", "unit": "celsius"})]
 
 
