@@ -17,6 +17,19 @@ TINY_TOKENS = [*_gpt2_byte_chars(), "<|endoftext|>", "he", "ll", "Ġw"]
 TINY_MERGES = ["h e", "l l", "Ġ w"]
 
 
+def write_tiny_tokenizer(writer) -> None:
+    """The tiny BPE tokenizer as llama.cpp writes a GPT-2-style one into a GGUF file
+    (`writer` a gguf.GGUFWriter; token 256, <|endoftext|>, is BOS and EOS)."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(TINY_TOKENS)
+    writer.add_token_types([1] * 256 + [3] + [1] * 3)
+    writer.add_token_merges(TINY_MERGES)
+    writer.add_bos_token_id(256)
+    writer.add_eos_token_id(256)
+    writer.add_add_bos_token(False)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF transformers' own greedy decode, EOS disabled so lengths match ignore_eos."""
     input_ids = torch.tensor([prompt_ids])

@@ -27,7 +27,13 @@ from gguf import GGMLQuantizationType as QT
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.loader.gguf_loader import GGUF_ARCHITECTURES, GGUFCheckpoint
-from tests.helpers import TINY_MERGES, TINY_TOKENS, check_greedy_match, hf_greedy, hf_logprobs_along
+from tests.helpers import (
+    TINY_TOKENS,
+    check_greedy_match,
+    hf_greedy,
+    hf_logprobs_along,
+    write_tiny_tokenizer,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -175,17 +181,6 @@ def _write_metadata(w: gguf.GGUFWriter, arch: str, c) -> None:
             w.add_rope_scaling_factor(full["factor"])
 
 
-def _write_tokenizer(w: gguf.GGUFWriter) -> None:
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TINY_TOKENS)
-    w.add_token_types([1] * 256 + [3] + [1] * 3)
-    w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(256)
-    w.add_add_bos_token(False)
-
-
 def convert(model: torch.nn.Module, arch: str, path: Path, qtype: QT = QT.F16,
             blocks: dict[str, np.ndarray] | None = None) -> dict[str, np.ndarray]:
     """Write `model` as llama.cpp would: 2-D weights as `qtype` (or the given raw `blocks`),
@@ -199,7 +194,7 @@ def convert(model: torch.nn.Module, arch: str, path: Path, qtype: QT = QT.F16,
     w.add_name(f"tiny {arch}")
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     _write_metadata(w, arch, c)
-    _write_tokenizer(w)
+    write_tiny_tokenizer(w)
     stored = {}
     for hf_name, t in _converted_tensors(arch, c, state):
         name = hf_name if hf_name.startswith("rope_factors") else \

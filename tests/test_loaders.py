@@ -20,7 +20,7 @@ from pagedlm.loader.gguf_loader import (
 )
 from pagedlm.loader.safetensors_loader import iterate_safetensors, list_safetensors_files
 from pagedlm.loader.tokenizer import load_tokenizer
-from tests.helpers import TINY_MERGES, TINY_TOKENS
+from tests.helpers import write_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -95,14 +95,7 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(TINY["rms_norm_eps"])
     w.add_vocab_size(TINY["vocab_size"])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(TINY_TOKENS)
-    w.add_token_types([1] * 256 + [3] + [1] * 3)
-    w.add_token_merges(TINY_MERGES)
-    w.add_bos_token_id(256)
-    w.add_eos_token_id(256)
-    w.add_add_bos_token(False)
+    write_tiny_tokenizer(w)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     for key, value in (extra or {}).items():
         if isinstance(value, str):
