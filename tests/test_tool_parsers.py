@@ -222,6 +222,8 @@ def test_forcing_grammar_takes_valid_calls_only(llg_tokenizer, fmt):
     assert not _accepts(llg_tokenizer, one, text(("get_weather", {"unit": "c"})))  # required
     assert not _accepts(llg_tokenizer, one, text(("get_weather", {"city": "P", "x": 1})))
     assert not _accepts(llg_tokenizer, one, text(("calc", {"expression": "1" * 21})))  # $defs
+    # calc's schema says nothing of other properties: a forced call takes none
+    assert not _accepts(llg_tokenizer, one, text(("calc", {"expression": "1", "x": 1})))
     assert not _accepts(llg_tokenizer, one, text(("search", {"q": "x"})))  # not a tool
 
 
