@@ -141,7 +141,10 @@ class EngineCore:
         self.device, self.dtype = spec.device, spec.dtype
         self.spec = spec
         max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
-        num_blocks = self.model_executor.determine_num_blocks(max_batched, max_len)
+        # Profiled at the context served: a fabricated prompt longer than max_model_len
+        # would run positions past the rotary tables the model was built with.
+        num_blocks = self.model_executor.determine_num_blocks(
+            max_batched, args.max_model_len or max_len)
         if num_blocks < 1:
             raise ValueError(
                 f"the KV cache budget holds no block: one block of {spec.block_size} tokens "

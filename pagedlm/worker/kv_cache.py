@@ -34,9 +34,19 @@ def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_
 
 def num_blocks_for_cuda(profile_peak_bytes: int, block_bytes: int, gpu_memory_utilization: float,
                         device: torch.device) -> int:
-    """Blocks that fit in `gpu_memory_utilization` of the card once weights and the peak
-    activation memory of a profiling forward pass are accounted for."""
+    """Blocks that fit in `gpu_memory_utilization` of the card next to what this process
+    held at the peak of a profiling forward pass (`profile_peak_bytes`: weights and
+    activations, as torch.cuda.max_memory_allocated reads it) and what other processes use."""
     free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free - torch.cuda.memory_reserved(device)
-    budget = total * gpu_memory_utilization - used_by_others - profile_peak_bytes
+    return kv_blocks_in_budget(total, free, torch.cuda.memory_reserved(device),
+                               profile_peak_bytes, block_bytes, gpu_memory_utilization)
+
+
+def kv_blocks_in_budget(total: int, free: int, reserved: int, peak: int, block_bytes: int,
+                        gpu_memory_utilization: float) -> int:
+    """The KV blocks of `block_bytes` that fit in `gpu_memory_utilization * total` bytes
+    once `peak` (this process's peak allocation, weights included) and the memory of other
+    processes (`total - free` minus what this process has `reserved`) are taken out."""
+    used_by_others = max(0, total - free - reserved)
+    budget = total * gpu_memory_utilization - used_by_others - peak
     return max(0, int(budget // block_bytes))

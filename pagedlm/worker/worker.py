@@ -152,6 +152,20 @@ class Worker:
         return budget // self.world_size // block_bytes
 
     def _profile_cuda_blocks(self, block_bytes: int, max_batched: int, max_model_len: int) -> int:
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.run_profile_step(max_batched, max_model_len)
+        torch.cuda.synchronize(self.device)
+        # The peak counts the weights too: they stay, next to the cache (subtracting them
+        # from it once let the cache take the weights' room: out of memory on an H200).
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return num_blocks_for_cuda(peak, block_bytes, self.args.gpu_memory_utilization,
+                                   self.device)
+
+    def run_profile_step(self, max_batched: int, max_model_len: int) -> None:
+        """One forward pass at the largest step the engine schedules: max_batched tokens
+        in prompts of at most max_model_len tokens, on a cache just big enough, which is
+        dropped again (what it leaves allocated is the activations' peak)."""
         block_size = self.args.block_size
         per_req = min(max_batched, max_model_len)
         num_reqs = -(-max_batched // per_req)
@@ -169,18 +183,11 @@ class Worker:
                 list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), 0))
             sched.num_scheduled_tokens[req_id] = per_req
         sched.total_num_scheduled_tokens = num_reqs * per_req
-        torch.cuda.reset_peak_memory_stats(self.device)
         runner.execute_model(sched)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
-        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
         for req_id in list(sched.num_scheduled_tokens):
             runner.input_batch.remove(req_id)
         del caches, sched
         runner.kv_caches = []
-        torch.cuda.empty_cache()
-        return num_blocks_for_cuda(peak - weights, block_bytes, self.args.gpu_memory_utilization,
-                                   self.device)
 
     def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
         runner = self.model_runner
