@@ -16,6 +16,10 @@ def test_parse_args():
     args = run_all.parse_args(["--phases", "micro,decode", "--num-prompts", "10"])
     assert args.phases == ["micro", "decode"] and args.num_prompts == 10
     assert run_all.parse_args([]).phases == list(run_all.PHASES)
+    args = run_all.parse_args(["--phases", "throughput,decode", "--throughput-runs", "hf_cb"])
+    assert args.phases == ["throughput", "decode"] and args.throughput_runs == ["hf_cb"]
+    with pytest.raises(SystemExit):
+        run_all.parse_args(["--throughput-runs", "vllm"])
     with pytest.raises(SystemExit):
         run_all.parse_args(["--phases", "micro,bogus"])
     with pytest.raises(SystemExit):
@@ -70,3 +74,59 @@ def test_main_skips_without_cuda(capsys, tmp_path, monkeypatch):
     assert run_all.main(["--out-dir", str(tmp_path)]) == 0
     assert "CUDA is not available" in capsys.readouterr().out
     assert not (tmp_path / "results.json").exists()
+
+
+TINY_LLAMA = {**run_all.LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 300, "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "float32",
+              "max_position_embeddings": 8192}
+
+
+def _requests_file(tmp_path, n=5):
+    rows = [{"prompt_token_ids": [(7 * i + j) % 290 + 3 for j in range(4 + 3 * i)],
+             "output_len": 3 + i} for i in range(n)]
+    path = tmp_path / "requests.json"
+    path.write_text(json.dumps({"dataset": "sharegpt", "requests": rows}))
+    return str(path), rows
+
+
+@pytest.mark.parametrize("which", ["pagedlm_eager", "hf_static", "hf_cb"])
+def test_heavy_runs_work_on_cpu(tmp_path, monkeypatch, which):
+    """The GPU machine is lent rarely and briefly: each heavy run (the same code, a tiny
+    model, DEVICE='cpu') must already work here, reading prepared requests as token ids."""
+    monkeypatch.setattr(run_all, "DEVICE", "cpu")
+    model_dir = run_all.write_model_dir(tmp_path / "tiny", TINY_LLAMA)
+    path, rows = _requests_file(tmp_path)
+    r = run_all.child_throughput(model_dir, which, len(rows), 2, path)
+    assert r["num_requests"] == len(rows)
+    assert r["prompt_tokens"] == sum(len(x["prompt_token_ids"]) for x in rows)
+    assert r["output_tokens"] == sum(x["output_len"] for x in rows)
+    assert r["total_tokens_per_s"] > 0
+
+
+def test_decode_run_works_on_cpu(tmp_path, monkeypatch):
+    monkeypatch.setattr(run_all, "DEVICE", "cpu")
+    model_dir = run_all.write_model_dir(tmp_path / "tiny", TINY_LLAMA)
+    assert run_all.child_decode(model_dir, eager=True, num_tokens=4)["ms_per_token"] > 0
+
+
+def test_requests_file_shorter_than_asked_is_refused(tmp_path):
+    path, rows = _requests_file(tmp_path, n=2)
+    with pytest.raises(SystemExit, match="holds 2 requests"):
+        run_all._sharegpt_requests(3, path)
+    got = run_all._sharegpt_requests(2, path)
+    assert [list(r.prompt_token_ids) for r in got] == [x["prompt_token_ids"] for x in rows]
+    assert [r.prompt_len for r in got] == [len(x["prompt_token_ids"]) for x in rows]
+
+
+def test_a_failed_or_skipped_run_says_why(tmp_path):
+    args = run_all.parse_args(["--num-prompts", "1"])
+    missing = str(tmp_path / "no-such-model")
+    r = run_all._run_child(args, "decode", "eager", missing, deadline=None)
+    assert "error" in r and "no-such-model" in r["error"]
+    import time
+
+    r = run_all._run_child(args, "decode", "eager", missing, deadline=time.monotonic() + 5)
+    assert r == {"error": "skipped: 5 s of the budget left"}
+    run_all.write_results(tmp_path, {"errors": {"decode eager": r["error"]}})
+    assert "- decode eager: `skipped" in (tmp_path / "results.md").read_text()
