@@ -12,6 +12,10 @@ GiB = 1 << 30
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+# The KV cache may also be stored in float8 with a per-tensor scale per layer and K/V
+# (layers/attention.py); "fp8" is e4m3 (more precision), e5m2 has more range.
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "fp8_e5m2")
+KV_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3"}
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_DTYPES = ("auto", "float16", "q8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
@@ -35,7 +39,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     load_format: str = "auto"
     dtype: str = "auto"
-    kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16
+    kv_cache_dtype: str = "auto"  # auto = dtype; or float32 / float16 / bfloat16 / fp8 (e4m3) / fp8_e5m2
     # float16: linear weights stored in float16, multiplied in float32 (CPU: fbgemm);
     # q8 (CPU): integer matmuls, GGUF Q4_1/Q8_0 weights as stored (others rounded to Q8_0),
     # activations rounded to int8 per 32 values, as llama.cpp computes
@@ -68,10 +72,11 @@ class EngineArgs:
         object.__setattr__(self, "dtype", dtype)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
-        kv_dtype = DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        kv_dtype = KV_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         object.__setattr__(self, "kv_cache_dtype", kv_dtype)
-        if kv_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if kv_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {(*KV_CACHE_DTYPES, 'fp8')}, got "
+                             f"{self.kv_cache_dtype!r}")
         weight_dtype = DTYPE_ALIASES.get(self.weight_dtype, self.weight_dtype)
         object.__setattr__(self, "weight_dtype", weight_dtype)
         if weight_dtype not in WEIGHT_DTYPES:

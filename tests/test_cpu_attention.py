@@ -39,7 +39,8 @@ def dense_decode(query, k_cache, v_cache, block_tables, seq_lens, scale, slopes=
 # time, then a 16- or 8-dim remainder); head_dim 20 takes the untiled path.
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
     (4, 4, 32), (6, 2, 64), (8, 1, 32), (9, 3, 80), (4, 2, 40), (3, 1, 20)])
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16,
+                                         torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("features", ["plain", "window", "softcap", "alibi", "all"])
 def test_paged_decode_matches_dense(num_heads, num_kv_heads, head_dim, cache_dtype, features):
     g = torch.Generator().manual_seed(num_heads * 7 + num_kv_heads + head_dim)
@@ -73,6 +74,26 @@ def test_paged_decode_matches_dense(num_heads, num_kv_heads, head_dim, cache_dty
                        cap=kw.get("logits_soft_cap"))
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("head_dim", [32, 64, 20])
+def test_every_float8_code_reads_back_exactly(cache_dtype, head_dim):
+    """With one key, attention returns its value row: every finite float8 code (subnormals
+    and signed zero included) must widen to exactly what torch makes of it."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    values = codes.view(cache_dtype).float()
+    codes[~torch.isfinite(values)] = 0  # NaN (and e5m2's inf) are never stored
+    rows = -(-256 // head_dim)
+    v = torch.zeros(rows * head_dim, dtype=torch.uint8)
+    v[:256] = codes
+    v_cache = v.view(cache_dtype).view(rows, 1, 1, head_dim)  # one token per block
+    k_cache = torch.ones(rows, 1, 1, head_dim).to(cache_dtype)
+    block_tables = torch.arange(rows).view(rows, 1)
+    query = torch.randn(rows, 2, head_dim)
+    out = paged_decode_attention(query, k_cache, v_cache, block_tables, [1] * rows, 0.5)
+    want = v_cache.float()[:, 0, 0]  # [rows, head_dim]
+    assert torch.equal(out[:, 0], want) and torch.equal(out[:, 1], want)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

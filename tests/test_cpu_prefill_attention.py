@@ -66,7 +66,8 @@ def test_heads_and_dims(num_heads, num_kv_heads, head_dim):
     run_case([(37, 37), (5, 5), (130, 130)], num_heads, num_kv_heads, head_dim)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16,
+                                   torch.float8_e4m3fn, torch.float8_e5m2])
 def test_cache_dtypes(dtype):
     run_case([(70, 70), (1, 1), (17, 40)], 9, 3, 64, dtype=dtype)
 

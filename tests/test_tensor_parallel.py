@@ -55,6 +55,17 @@ def test_two_ranks_equal_one_greedy_and_prompt_logprobs(tiny_models, arch):
     llm.llm_engine.shutdown()
 
 
+def test_two_ranks_equal_one_with_a_float8_cache(tiny_llama_dir):
+    """Each rank sees only its heads' K/V, but the scales take the largest over all ranks:
+    two ranks quantise the cache exactly as one process does."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    one_tokens, _ = _run(_llm(tiny_llama_dir, 1, kv_cache_dtype="fp8"), params)
+    llm = _llm(tiny_llama_dir, 2, kv_cache_dtype="fp8")
+    two_tokens, _ = _run(llm, params)
+    assert two_tokens == one_tokens
+    llm.llm_engine.shutdown()
+
+
 def test_two_ranks_sampling_chunking_prefix_hits_and_preemption(tiny_llama_dir):
     params = SamplingParams(n=2, temperature=1.0, top_p=0.9, seed=7, max_tokens=16, ignore_eos=True)
     small = dict(kv_cache_memory=26 * 2048, max_num_batched_tokens=9, max_model_len=64)

@@ -262,6 +262,26 @@ def test_cache_in_other_dtype() -> None:
     check(case)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float8_cache(cache_dtype: torch.dtype, dtype: torch.dtype) -> None:
+    """A float8 cache (--kv-cache-dtype fp8), written from float8 K/V as the attention layer
+    passes them (quantised by torch, so the write is a copy): rows read back as the
+    reference reads them, on decodes and prefills alike."""
+    case = make_case(mixed_layout(16)[2:9], (8, 2), dtype=dtype, cache_dtype=cache_dtype)
+    case.key = case.key.to(cache_dtype)
+    case.value = case.value.to(cache_dtype)
+    k_ref, v_ref = case.clone_caches()
+    k_tri, v_tri = case.clone_caches()
+    args = (case.query, case.key, case.value)
+    ref = ReferenceAttention().forward(*args, k_ref, v_ref, case.meta, case.scale)
+    out = TritonPagedAttention().forward(*args, k_tri, v_tri, case.meta, case.scale)
+    assert out.dtype == dtype and torch.isfinite(out).all()
+    torch.testing.assert_close(out, ref, **TOL[dtype])
+    assert torch.equal(k_tri.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_tri.view(torch.uint8), v_ref.view(torch.uint8))
+
+
 def test_strided_inputs_from_fused_qkv() -> None:
     case = make_case(mixed_layout(16)[3:8], (6, 2))
     t = case.query.shape[0]

@@ -5,6 +5,10 @@ tokens each with EOS ignored. For every pair of runs: prompts whose outputs are 
 and the mean length of the common prefix.
 
     python benchmarks/cpu/greedy_agreement.py [--num-prompts 64] [--max-tokens 64] [--no-llama-cpp]
+        [--runs float32,q8,float16,kv_float16,kv_fp8,kv_fp8_e5m2]
+
+The kv_* runs change only the KV cache's storage: float16, or float8 (e4m3 / e5m2) with
+per-layer scales calibrated at start.
 """
 
 import argparse
@@ -17,6 +21,9 @@ RUNS = {
     "float32": {},
     "q8": {"weight_dtype": "q8"},
     "float16": {"weight_dtype": "float16", "kv_cache_dtype": "float16"},
+    "kv_float16": {"kv_cache_dtype": "float16"},
+    "kv_fp8": {"kv_cache_dtype": "fp8"},
+    "kv_fp8_e5m2": {"kv_cache_dtype": "fp8_e5m2"},
 }
 
 
@@ -48,12 +55,19 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2)
     p.add_argument("--no-llama-cpp", action="store_true", help="skip llama-cpp-python")
+    p.add_argument("--runs", default="float32,q8,float16",
+                   help=f"comma-separated, from {','.join(RUNS)}; the first is the reference")
     args = p.parse_args()
+    runs = [r for r in args.runs.split(",") if r]
+    unknown = sorted(set(runs) - set(RUNS))
+    if unknown:
+        p.error(f"unknown run(s) {unknown}; choose from {list(RUNS)}")
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     outputs: dict[str, list[list[int]]] = {}
     prompts: list[list[int]] = []
     model_path = None
-    for name, kwargs in RUNS.items():
+    for name in runs:
+        kwargs = RUNS[name]
         llm = LLM(num_threads=args.num_threads, **kwargs)
         if not prompts:
             tokenizer = llm.get_tokenizer()

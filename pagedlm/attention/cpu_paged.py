@@ -25,6 +25,9 @@ from pagedlm.attention.cpu_kernels import (
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.attention.torch_paged import TorchPagedAttention
 
+_PREFILL_CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                         torch.float8_e5m2)
+
 
 def cpu_kernels_available() -> bool:
     return load_cpu_kernels() is not None
@@ -74,7 +77,7 @@ class CpuPagedAttention(TorchPagedAttention):
         logits_soft_cap: float | None,
     ) -> None:
         if (query.device.type != "cpu" or alibi_slopes is not None or logits_soft_cap is not None
-                or k_cache.dtype not in (torch.float32, torch.float16, torch.bfloat16)
+                or k_cache.dtype not in _PREFILL_CACHE_DTYPES
                 or not prefill_kernel_supports(query.shape[-1])):
             super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out, alibi_slopes,
                               sliding_window, logits_soft_cap)

@@ -64,8 +64,12 @@ def write_kv_cache(
     k_flat = k_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
     v_flat = v_cache.view(-1, num_kv_heads, head_dim)  # [num_slots, num_kv_heads, head_dim]
     n = slot_mapping.shape[0]
-    k_flat.index_copy_(0, slot_mapping, key[:n].to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, value[:n].to(v_cache.dtype))
+    key, value = key[:n].to(k_cache.dtype), value[:n].to(v_cache.dtype)
+    if k_cache.element_size() == 1:  # float8: index_copy_ has no float8 kernel on CPU
+        k_flat, v_flat = k_flat.view(torch.uint8), v_flat.view(torch.uint8)
+        key, value = key.view(torch.uint8), value.view(torch.uint8)
+    k_flat.index_copy_(0, slot_mapping, key)
+    v_flat.index_copy_(0, slot_mapping, value)
 
 
 def _context_slots(

@@ -61,6 +61,21 @@ inline __m256 load8(const at::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+// float8 caches, widened through float16: an e5m2 byte is the top byte of a float16; an
+// e4m3fn byte's sign moved to bit 15 and its exponent and mantissa to bits 7..14 make a
+// float16 worth exactly value / 256 (normal and subnormal alike: both biases differ by 8).
+inline __m128i e4m3_to_half(__m128i b) {  // 8 x uint16 holding one byte each
+  return _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                      _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+}
+inline __m256 load8(const at::Float8_e5m2* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
+}
+inline __m256 load8(const at::Float8_e4m3fn* p) {
+  const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_mul_ps(_mm256_cvtph_ps(e4m3_to_half(b)), _mm256_set1_ps(256.f));
+}
 template <typename cache_t>
 inline float dot(const float* q, const cache_t* k, int64_t n) {
   if (n % 8 != 0) {
@@ -145,6 +160,16 @@ inline __m512 load16(const at::Half* p) {
 inline __m512 load16(const at::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const at::Float8_e5m2* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
+}
+inline __m512 load16(const at::Float8_e4m3fn* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7));
+  return _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.f));
 }
 struct Lanes16 {
   using V = __m512;
@@ -553,6 +578,12 @@ void paged_decode_into(const torch::Tensor& query, const torch::Tensor& k_cache,
       break;
     case torch::kHalf:
       run_decode<at::Half>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      break;
+    case torch::kFloat8_e4m3fn:
+      run_decode<at::Float8_e4m3fn>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+      break;
+    case torch::kFloat8_e5m2:
+      run_decode<at::Float8_e5m2>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
       break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());

@@ -85,6 +85,31 @@ inline void to_float(const at::Half* src, float* dst, int64_t n) {
 inline void to_float(const at::BFloat16* src, float* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
 }
+// float8 through float16 (as paged_attention_cpu.cpp's load8): an e5m2 byte is a float16's
+// top byte; an e4m3fn byte's sign to bit 15 and the rest to bits 7..14 is value / 256.
+inline void to_float(const at::Float8_e5m2* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  for (; d + 8 <= n; d += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+    _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_slli_epi16(b, 8)));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+inline void to_float(const at::Float8_e4m3fn* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX2__)
+  const __m256 k256 = _mm256_set1_ps(256.f);
+  for (; d + 8 <= n; d += 8) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d)));
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
+                                   _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7f)), 7));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), k256));
+  }
+#endif
+  for (; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
 
 struct Item {
   int64_t seq, kv_head, q_begin, q_end;  // queries [q_begin, q_end) of the sequence
@@ -347,8 +372,12 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
     run_prefill<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
   } else if (k_cache.scalar_type() == torch::kBFloat16) {
     run_prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  } else if (k_cache.scalar_type() == torch::kFloat8_e4m3fn) {
+    run_prefill<at::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  } else if (k_cache.scalar_type() == torch::kFloat8_e5m2) {
+    run_prefill<at::Float8_e5m2>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
   } else {
-    TORCH_CHECK(false, "cache dtype must be float32, float16 or bfloat16");
+    TORCH_CHECK(false, "cache dtype must be float32, float16, bfloat16 or float8 (e4m3fn, e5m2)");
   }
   return out;
 }

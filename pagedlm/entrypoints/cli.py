@@ -65,8 +65,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="run every step through the model's Python layers: no CUDA graphs on GPUs, "
                         "no C++ decoder on CPU")
     g.add_argument("--kv-cache-dtype", default="auto",
-                   choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32"],
-                   help="KV cache storage type (auto: the model dtype)")
+                   choices=["auto", "float32", "float16", "bfloat16", "half", "bf16", "fp16", "fp32",
+                            "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage type (auto: the model dtype; fp8 = fp8_e4m3: one byte "
+                        "per value, with a scale per layer for K and V calibrated at start)")
     g.add_argument("--weight-dtype", default="auto", choices=["auto", "float16", "half", "fp16", "q8"],
                    help="CPU float32 models. float16: linear weights stored in float16 and "
                         "multiplied in float32 (half the weight bytes per step). q8: integer "

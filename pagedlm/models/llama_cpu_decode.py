@@ -70,6 +70,8 @@ def _why_not(model) -> str | None:
             return f"layer {i}: ALiBi or a logits soft cap"
         if a.k_cache is None or a.k_cache.device.type != "cpu":
             return f"layer {i}: no CPU KV cache bound"
+        if a.k_cache.element_size() == 1:
+            return f"layer {i}: a {a.k_cache.dtype} KV cache (its scales are applied per layer)"
         for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
                           ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
             if _linear_kind(lin.matmul) is None:

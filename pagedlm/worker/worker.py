@@ -20,6 +20,7 @@ import torch
 from pagedlm.attention.backends import get_attention_backend, resolve_backend_name
 from pagedlm.config import EngineArgs, GiB
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.layers.parallel_state import all_gather_last_dim
 from pagedlm.loader.model_loader import ModelSource, build_model
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_cuda
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_CACHE_MEMORY = 2 * GiB
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Tokens of the prompt that calibrates a float8 KV cache's scales.
+FP8_CALIBRATION_TOKENS = 256
+_KV_TORCH_DTYPES = {**_TORCH_DTYPES, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -99,7 +103,7 @@ class Worker:
         # The KV cache may be stored narrower than the model computes (llama.cpp's default
         # is a float16 cache): half the memory and half the bytes each decode reads.
         self.kv_cache_dtype = (self.dtype if args.kv_cache_dtype == "auto"
-                               else _TORCH_DTYPES[args.kv_cache_dtype])
+                               else _KV_TORCH_DTYPES[args.kv_cache_dtype])
         if args.weight_dtype != "auto" and (self.device.type != "cpu" or self.dtype != torch.float32):
             raise ValueError(f"weight_dtype={args.weight_dtype!r} is for float32 models on CPU; "
                              "on GPUs set dtype='float16' instead")
@@ -166,31 +170,62 @@ class Worker:
         """One forward pass at the largest step the engine schedules: max_batched tokens
         in prompts of at most max_model_len tokens, on a cache just big enough, which is
         dropped again (what it leaves allocated is the activations' peak)."""
-        block_size = self.args.block_size
         per_req = min(max_batched, max_model_len)
         num_reqs = -(-max_batched // per_req)
-        blocks_per_req = -(-per_req // block_size)
-        caches = allocate_kv_cache(self.num_layers, num_reqs * blocks_per_req, block_size,
+        self._run_prompts([[0] * per_req] * num_reqs)
+
+    def _run_prompts(self, prompts: list[list[int]]) -> None:
+        """Prefill `prompts` in one step on a cache of their own, then forget them."""
+        block_size = self.args.block_size
+        blocks_per_req = -(-max(len(p) for p in prompts) // block_size)
+        caches = allocate_kv_cache(self.num_layers, len(prompts) * blocks_per_req, block_size,
                                    self.num_kv_heads, self.head_dim, self.kv_cache_dtype,
                                    self.device)
         runner = self.model_runner
         runner.bind_kv_cache(caches)
         sched = SchedulerOutput()
-        for i in range(num_reqs):
+        for i, prompt in enumerate(prompts):
             req_id = f"profile-{i}"
             sched.new_reqs.append(NewRequestData(
-                req_id, [0] * per_req, [], SamplingParams(max_tokens=1), 0, (),
+                req_id, list(prompt), [], SamplingParams(max_tokens=1), 0, (),
                 list(range(i * blocks_per_req, (i + 1) * blocks_per_req)), 0))
-            sched.num_scheduled_tokens[req_id] = per_req
-        sched.total_num_scheduled_tokens = num_reqs * per_req
+            sched.num_scheduled_tokens[req_id] = len(prompt)
+        sched.total_num_scheduled_tokens = sum(len(p) for p in prompts)
         runner.execute_model(sched)
         for req_id in list(sched.num_scheduled_tokens):
             runner.input_batch.remove(req_id)
         del caches, sched
         runner.kv_caches = []
 
+    def calibrate_fp8_scales(self, max_model_len: int) -> list[tuple[float, float]]:
+        """A float8 cache's per-layer K and V scales, from the largest |K| and |V| of one
+        prefill of a fixed pseudo-random prompt (the same on every run and rank). Returns
+        each layer's (k_scale, v_scale)."""
+        layers = self.model.attention_layers()
+        for layer in layers:
+            layer.kv_amax = [0.0, 0.0]
+        vocab = int(self.model_runner.vocab_size)
+        n = min(FP8_CALIBRATION_TOKENS, max_model_len)
+        ids = torch.randint(vocab, (n,), generator=torch.Generator().manual_seed(0)).tolist()
+        self._run_prompts([ids])
+        # Every rank takes the largest |K| and |V| of all heads, so N ranks quantise
+        # exactly as one process does.
+        amax = torch.tensor([a for layer in layers for a in layer.kv_amax],
+                            dtype=torch.float32, device=self.device)  # [num_layers * 2]
+        if self.world_size > 1:
+            amax = all_gather_last_dim(amax).view(self.world_size, -1).amax(0)
+        for layer, pair in zip(layers, amax.view(-1, 2).tolist()):
+            layer.kv_amax = pair
+            layer.calibrate_fp8_scales()
+        return [(layer.k_scale, layer.v_scale) for layer in layers]
+
     def initialize_cache(self, num_blocks: int, max_num_seqs: int, max_model_len: int) -> None:
         runner = self.model_runner
+        if self.kv_cache_dtype.itemsize == 1:  # float8: scales first (graphs capture them)
+            scales = self.calibrate_fp8_scales(max_model_len)
+            logger.info("%s KV cache: K scales %.3g..%.3g, V scales %.3g..%.3g", self.kv_cache_dtype,
+                        min(k for k, _ in scales), max(k for k, _ in scales),
+                        min(v for _, v in scales), max(v for _, v in scales))
         runner.bind_kv_cache(allocate_kv_cache(
             self.num_layers, num_blocks, self.args.block_size, self.num_kv_heads, self.head_dim,
             self.kv_cache_dtype, self.device))
