@@ -26,7 +26,7 @@
 // (x stays in L1/L2). Work per block is a few shifts and conversions, so one 8-row tile
 // costs little more than one row.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -11,7 +11,7 @@
 //                 position (the cache holds [f | f], so the first half is used):
 //                 x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -24,7 +24,7 @@
 // Each output is sum_k x[i, k] * W[n, k] in float32 FMAs in order of k (+ bias): the same
 // maths as F.linear up to the order of the float32 sums.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

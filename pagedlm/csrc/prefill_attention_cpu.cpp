@@ -22,7 +22,7 @@
 // and are handed out one at a time, so the threads finish together although causal items
 // differ in length: torch's SDPA takes one call per sequence, each split on its own.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -39,7 +39,7 @@
 // every row tile of the chunk runs over it. Every output is the same sequence of operations whatever
 // the tile, chunk or thread it falls in, so a row's result does not depend on its batch.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -39,7 +39,7 @@
 // Special values, as torch.argmax of the reference race: -inf never wins unless the whole row
 // is -inf (then index 0); +inf beats every finite value; NaN beats everything (first NaN).
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -25,7 +25,7 @@
 // A peer that dies leaves its flag behind and the others would spin forever: the wait gives up
 // after `timeout_ms` and raises, and the engine (which watches the processes) kills every rank.
 
-#include <torch/extension.h>
+#include "torch_lite.h"
 
 #include <atomic>
 #include <chrono>
