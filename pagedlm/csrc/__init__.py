@@ -1,8 +1,10 @@
 """The C++ CPU kernels in this directory, each compiled on first use and cached.
 
-Every ``<stem>.cpp`` here is its own extension module. The build uses torch's extension
-builder (a C++ compiler and ninja), once per source version and CPU; later processes
-load the cached library in well under a second. Where no compiler is available
+Every ``<stem>.cpp`` here is its own extension module, except the kernels the C++ decoder
+compiles with its own (``BUNDLED``): their functions are in the decoder's module, so their
+code compiles once. The build uses torch's extension builder (a C++ compiler and ninja),
+once per source version and CPU; later processes load the cached library in well under a
+second. Where no compiler is available
 :func:`load_extension` returns None and the caller falls back to its pure-torch path,
 with a warning that says why. ``PAGEDLM_DISABLE_CPU_KERNELS=1`` turns every kernel off.
 """
@@ -39,6 +41,17 @@ def _cpu_tag() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
+# Kernel files llama_decode_cpu.cpp #includes: no module of their own, the decoder's
+# exports their functions (each file's bind_<stem>).
+BUNDLED = {stem: "llama_decode_cpu" for stem in (
+    "block_gemv_cpu", "layer_ops_cpu", "paged_attention_cpu", "panel_gemm_cpu", "q8_gemm_cpu")}
+
+
+def kernel_stems() -> list[str]:
+    """The kernels built as libraries of their own (every source but the bundled ones)."""
+    return [s.stem for s in sorted(CSRC_DIR.glob("*.cpp")) if s.stem not in BUNDLED]
+
+
 # JSON {stem: library file} of kernels a parent process has already built and loaded (see
 # load_all_extensions): imported straight from the file, never through torch's builder,
 # whose lock file a process killed while holding it leaves behind for every later load.
@@ -57,9 +70,12 @@ def _import_library(name: str, path: str) -> ModuleType:
 
 @functools.cache
 def load_extension(stem: str) -> ModuleType | None:
-    """The compiled module of ``csrc/<stem>.cpp``, or None if disabled or unbuildable."""
+    """The compiled module of ``csrc/<stem>.cpp``, or None if disabled or unbuildable (for
+    a bundled kernel: the decoder's module, which holds its functions)."""
     if os.environ.get(DISABLE_ENV):
         return None
+    if stem in BUNDLED:
+        return load_extension(BUNDLED[stem])
     prebuilt = json.loads(os.environ.get(PREBUILT_ENV, "{}")).get(stem)
     if prebuilt is not None:
         return _import_library(extension_name(stem), prebuilt)
@@ -128,7 +144,7 @@ def _built_library(stem: str) -> Path:
 
 def unbuilt_kernels() -> list[str]:
     """The kernels with no library built yet (they compile on their first load)."""
-    return [s.stem for s in sorted(CSRC_DIR.glob("*.cpp")) if not _built_library(s.stem).exists()]
+    return [stem for stem in kernel_stems() if not _built_library(stem).exists()]
 
 
 def prepare_cpu_kernels() -> None:
@@ -169,8 +185,8 @@ def load_all_extensions() -> dict[str, str]:
     the libraries built beforehand and named to them, they only import the files, and a
     rank killed at start-up can never leave torch's build lock behind for the others."""
     files = {}
-    for source in sorted(CSRC_DIR.glob("*.cpp")):
-        module = load_extension(source.stem)
+    for stem in kernel_stems():
+        module = load_extension(stem)
         if module is not None and getattr(module, "__file__", None):
-            files[source.stem] = module.__file__
+            files[stem] = module.__file__
     return files

@@ -247,9 +247,9 @@ void block_gemv_into(const torch::Tensor& x, const torch::Tensor& blocks, bool q
 
 }  // namespace pagedlm_block
 
-#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
+inline void bind_block_gemv_cpu(pybind11::module_& m) {
   m.def("q4_1_gemv", &pagedlm_block::q4_1_gemv, "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
   m.def("q8_0_gemv", &pagedlm_block::q8_0_gemv, "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
 }
-#endif

@@ -188,10 +188,10 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor query, 
   return {rotary_one(query, pos, cos_cache, sin_cache), rotary_one(key, pos, cos_cache, sin_cache)};
 }
 
-#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
+inline void bind_layer_ops_cpu(pybind11::module_& m) {
   m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add (float32, CPU)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32, CPU)");
   m.def("rotary", &rotary, "rotate-half RoPE of query and key (float32, CPU)");
 }
-#endif

@@ -599,8 +599,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
+inline void bind_paged_attention_cpu(pybind11::module_& m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention on CPU");
 }
-#endif

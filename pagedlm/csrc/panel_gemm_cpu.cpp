@@ -211,8 +211,8 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
 
 }  // namespace pagedlm_panel
 
-#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
+inline void bind_panel_gemm_cpu(pybind11::module_& m) {
   m.def("panel_gemm", &pagedlm_panel::panel_gemm, "x @ W.T (+ bias) with W packed in 16-column panels, CPU");
 }
-#endif

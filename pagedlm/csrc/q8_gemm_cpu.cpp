@@ -577,9 +577,9 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
   return y;
 }
 
-#ifndef PAGEDLM_NO_PYBIND_MODULE  // set where another kernel file includes this one
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
+inline void bind_q8_gemm_cpu(pybind11::module_& m) {
   m.def("q8_gemm", &q8_gemm,
         "x @ W.T (+ bias) with W in Q4_1/Q8_0 blocks and x rounded to int8 per 32 values, CPU");
 }
-#endif
