@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedlm.loader import ollama
 from pagedlm.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -71,10 +72,14 @@ def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
 
 def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
     """A local HF directory, a .gguf file, a Hugging Face repo id ("org/name", at
-    `revision`), or None for the embedded default model."""
+    `revision`), a model Ollama pulled ("ollama:NAME[:TAG]"), or None for the embedded
+    default model."""
     from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
 
     path = model if model is not None else default_model_path()
+    if path.startswith(ollama.PREFIX):  # a GGUF blob in Ollama's store: no .gguf suffix
+        checkpoint = GGUFCheckpoint(ollama.resolve(path))
+        return ModelSource(checkpoint.path, "gguf", checkpoint.config, checkpoint)
     if not os.path.exists(path) and _REPO_ID.match(path):
         path = hub_snapshot(path, revision)
     if os.path.isfile(path) and path.endswith(".gguf"):
