@@ -55,6 +55,26 @@ def test_two_ranks_equal_one_greedy_and_prompt_logprobs(tiny_models, arch):
     llm.llm_engine.shutdown()
 
 
+def test_the_cpu_decoder_runs_on_every_rank_and_changes_nothing(tiny_llama_dir):
+    """Pure-decode steps go through the C++ decoder on each rank, which sums its partial
+    o_proj / down_proj outputs through the shared-memory all-reduce between layers; tokens
+    equal one rank's and the Python layers' on two ranks (enforce_eager)."""
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    one_tokens, one = _run(_llm(tiny_llama_dir, 1), params)
+    outs = {}
+    for eager in (False, True):
+        llm = _llm(tiny_llama_dir, 2, enforce_eager=eager)
+        paths = llm.llm_engine.core.model_executor._call("fast_paths")
+        assert [p["cpu_decoder"] for p in paths] == [not eager, not eager]
+        outs[eager] = _run(llm, params)
+        # a prefill after decodes: the Python layers' all-reduce rounds continue the decoder's
+        assert _run(llm, params)[0] == outs[eager][0]
+        llm.llm_engine.shutdown()
+    assert outs[False][0] == outs[True][0] == one_tokens
+    for a, b in zip(outs[False][1], outs[True][1]):  # the same sums: the same logprobs
+        assert [lp for lp in a.outputs[0].logprobs] == [lp for lp in b.outputs[0].logprobs]
+
+
 def test_two_ranks_equal_one_with_a_float8_cache(tiny_llama_dir):
     """Each rank sees only its heads' K/V, but the scales take the largest over all ranks:
     two ranks quantise the cache exactly as one process does."""

@@ -44,7 +44,8 @@ def _cpu_tag() -> str:
 # Kernel files llama_decode_cpu.cpp #includes: no module of their own, the decoder's
 # exports their functions (each file's bind_<stem>).
 BUNDLED = {stem: "llama_decode_cpu" for stem in (
-    "block_gemv_cpu", "layer_ops_cpu", "paged_attention_cpu", "panel_gemm_cpu", "q8_gemm_cpu")}
+    "block_gemv_cpu", "layer_ops_cpu", "paged_attention_cpu", "panel_gemm_cpu", "q8_gemm_cpu",
+    "shm_allreduce_cpu")}
 
 
 def kernel_stems() -> list[str]:
@@ -160,9 +161,9 @@ def prepare_cpu_kernels() -> None:
         logger.warning("building %d CPU kernels, one time (about a minute on two cores; "
                        "cached for later starts): %s", len(missing), ", ".join(missing))
         start = time.perf_counter()
-        # The longest builds first, so that no core is left with one at the end: the
-        # decoder compiles five other kernel files with its own (32 s of the 73 s on the
-        # 2-core test machine).
+        # The longest build first, so that no core is left with it at the end: the
+        # decoder compiles six other kernel files with its own (about as long as the
+        # other libraries together).
         missing.sort(key=_build_cost, reverse=True)
         # Each build is a compiler subprocess: threads run them side by side.
         with ThreadPoolExecutor(max(1, min(len(missing), os.cpu_count() or 1))) as pool:

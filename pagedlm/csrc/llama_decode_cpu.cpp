@@ -19,13 +19,14 @@
 // (models/llama.py) are the reference; models/llama_cpu_decode.py decides which models
 // qualify and tests/test_llama_cpu_decode.py compares the two.
 
-// Those five kernels have no module of their own: this one exports their functions too
+// Those kernels have no module of their own: this one exports their functions too
 // (csrc/__init__.py BUNDLED), so their code compiles once.
 #include "block_gemv_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "paged_attention_cpu.cpp"
 #include "panel_gemm_cpu.cpp"
 #include "q8_gemm_cpu.cpp"
+#include "shm_allreduce_cpu.cpp"
 
 #include <array>
 #include <chrono>
@@ -289,6 +290,7 @@ class LlamaDecoder {
                         c10::nullopt, attn);  // [n, heads, head_dim]
       clock.lap(kAttention);
       layer.linears[1](attn.view({n, q_size}), xb);
+      if (world_ > 1) round_ = all_reduce_rounds(comm_, rank_, round_, x_p, n * hidden, timeout_ms_);
       clock.lap(kO);
       rms_norm_rows(x_p, layer.post_norm.data_ptr<float>(), eps_, res_p, res_p,
                     h_p, n, hidden);
@@ -298,6 +300,7 @@ class LlamaDecoder {
       silu_and_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), n, act.size(1));
       clock.lap(kSilu);
       layer.linears[3](act, xb);
+      if (world_ > 1) round_ = all_reduce_rounds(comm_, rank_, round_, x_p, n * hidden, timeout_ms_);
       clock.lap(kDown);
     }
     // A new tensor: the caller keeps it past the next step, which reuses the workspace.
@@ -307,6 +310,25 @@ class LlamaDecoder {
     clock.lap(kNorms);
     return out;
   }
+
+  // Tensor parallelism on one machine: each rank's o_proj and down_proj outputs are partial
+  // sums, added over the ranks through the shared-memory segment of shm_allreduce_cpu.cpp,
+  // as the Python layers' all-reduce does (the same function: the same sums). The rounds
+  // continue those of the Python side's calls: set_round before a step, round after it.
+  void set_all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
+                      int64_t timeout_ms) {
+    TORCH_CHECK(segment.scalar_type() == torch::kUInt8 && segment.is_contiguous() &&
+                    segment.numel() >= world * kFlagBytes + 2 * world * chunk * 4,
+                "segment too small for ", world, " ranks of ", chunk, " floats");
+    TORCH_CHECK(0 <= rank && rank < world && chunk > 0, "rank out of range");
+    comm_segment_ = segment;
+    comm_ = Segment{segment.data_ptr<uint8_t>(), world, chunk};
+    rank_ = rank;
+    world_ = world;
+    timeout_ms_ = timeout_ms;
+  }
+  int64_t round() const { return round_; }
+  void set_round(int64_t round) { round_ = round; }
 
   // Time spent per part of the layers since profiling was turned on (seconds), by name.
   void set_profile(bool on) {
@@ -328,6 +350,9 @@ class LlamaDecoder {
   Workspace ws_;
   bool profile_ = false;
   std::array<double, kParts> seconds_{};
+  torch::Tensor comm_segment_;  // keeps the mapping alive
+  Segment comm_{nullptr, 1, 1};
+  int64_t rank_ = 0, world_ = 1, timeout_ms_ = 0, round_ = 1;
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -336,6 +361,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_paged_attention_cpu(m);
   bind_panel_gemm_cpu(m);
   bind_q8_gemm_cpu(m);
+  bind_shm_allreduce_cpu(m);
   pybind11::class_<Linear>(m, "Linear")
       .def_static("q8", &Linear::q8)
       .def_static("panel", &Linear::panel)
@@ -345,6 +371,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           torch::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("forward", &LlamaDecoder::forward)
+      .def("set_all_reduce", &LlamaDecoder::set_all_reduce)
+      .def("round", &LlamaDecoder::round)
+      .def("set_round", &LlamaDecoder::set_round)
       .def("set_profile", &LlamaDecoder::set_profile)
       .def("profile", &LlamaDecoder::profile);
 }

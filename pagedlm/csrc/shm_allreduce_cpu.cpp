@@ -91,12 +91,11 @@ Segment checked_segment(const torch::Tensor& segment, int64_t rank, int64_t worl
 }  // namespace
 
 // Sums `x` (contiguous float32, any shape) over the ranks in place; returns the next round.
-int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
-                   int64_t round, torch::Tensor x, int64_t timeout_ms) {
-  Segment seg = checked_segment(segment, rank, world, chunk, x);
-  float* data = x.data_ptr<float>();
-  const int64_t n = x.numel();
-  pybind11::gil_scoped_release no_gil;
+// data[0:n] summed over the ranks in place, from round `round` on; returns the next round.
+// Raw pointers and no GIL handling: the C++ decoder calls it between its layers.
+int64_t all_reduce_rounds(const Segment& seg, int64_t rank, int64_t round, float* data, int64_t n,
+                          int64_t timeout_ms) {
+  const int64_t chunk = seg.chunk;
   for (int64_t offset = 0; offset < n; offset += chunk, ++round) {
     const int64_t len = std::min(chunk, n - offset);
     std::memcpy(seg.slot(round, rank), data + offset, len * sizeof(float));
@@ -105,12 +104,19 @@ int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t c
     float* out = data + offset;
     const float* first = seg.slot(round, 0);
     for (int64_t i = 0; i < len; ++i) out[i] = first[i];
-    for (int64_t p = 1; p < world; ++p) {
+    for (int64_t p = 1; p < seg.world; ++p) {
       const float* in = seg.slot(round, p);
       for (int64_t i = 0; i < len; ++i) out[i] += in[i];
     }
   }
   return round;
+}
+
+int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
+                   int64_t round, torch::Tensor x, int64_t timeout_ms) {
+  Segment seg = checked_segment(segment, rank, world, chunk, x);
+  pybind11::gil_scoped_release no_gil;
+  return all_reduce_rounds(seg, rank, round, x.data_ptr<float>(), x.numel(), timeout_ms);
 }
 
 // Gathers every rank's `x` (contiguous float32, the same numel on every rank) into
@@ -142,7 +148,9 @@ int64_t segment_bytes(int64_t world, int64_t chunk) {
   return world * kFlagBytes + 2 * world * chunk * 4;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
+// compiles this file with its own and calls all_reduce_rounds between its layers.
+inline void bind_shm_allreduce_cpu(pybind11::module_& m) {
   m.def("all_reduce", &all_reduce, "In-place sum of x over the ranks; returns the next round",
         py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("chunk"), py::arg("round"),
         py::arg("x"), py::arg("timeout_ms"));

@@ -78,6 +78,11 @@ def set_shm_all_reduce(comm: ShmAllReduce | None) -> None:
     _SHM = comm
 
 
+def shm_all_reduce() -> ShmAllReduce | None:
+    """The shared-memory all-reduce this rank's sums go through, if one is set."""
+    return _SHM
+
+
 def all_reduce(x):
     """Sum over the tensor-parallel group (identity for a group of one)."""
     if _TP.size == 1:

@@ -11,8 +11,10 @@ layers' float for float; the Python layers stay the reference
 
 Only models whose forward is exactly models/llama.py's qualify: `LlamaCpuDecoder.build`
 returns None with the reason otherwise (another layer class, a matmul other than those
-(fbgemm's float16 GEMM, plain F.linear), sharded weights, a backend other than the CPU
-kernels, ALiBi, a soft cap, a rotary the kernel does not do).
+(fbgemm's float16 GEMM, plain F.linear), a backend other than the CPU kernels, ALiBi, a
+soft cap, a rotary the kernel does not do, a float8 KV cache). Under tensor parallelism each
+rank's decoder sums its o_proj and down_proj outputs over the ranks through the
+shared-memory all-reduce the Python layers use (ranks on one machine; not across machines).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
+from pagedlm.layers import parallel_state
+from pagedlm.layers.parallel_state import get_tp_group
 
 
 def _why_not(model) -> str | None:
@@ -29,7 +33,6 @@ def _why_not(model) -> str | None:
     from pagedlm.layers.activation import SiluAndMul
     from pagedlm.layers.embedding import VocabParallelEmbedding
     from pagedlm.layers.norm import RMSNorm
-    from pagedlm.layers.parallel_state import get_tp_group
     from pagedlm.layers.rotary import RotaryEmbedding
     from pagedlm.models.llama import (
         LlamaAttention,
@@ -44,8 +47,8 @@ def _why_not(model) -> str | None:
     inner = model.model
     if type(inner) is not LlamaModel or type(inner.embed_tokens) is not VocabParallelEmbedding:
         return "the model body is not models/llama.py's LlamaModel"
-    if get_tp_group().size != 1:
-        return "tensor parallelism"
+    if get_tp_group().size != 1 and parallel_state.shm_all_reduce() is None:
+        return "tensor parallelism across machines (its sums are not in shared memory)"
     if type(inner.norm) is not RMSNorm or inner.norm.weight.dtype != torch.float32:
         return "the final norm is not a float32 RMSNorm"
     for i, layer in enumerate(inner.layers):
@@ -79,6 +82,9 @@ def _why_not(model) -> str | None:
                         "q8, panel or GGUF-block kernels")
             if lin.bias is not None and lin.bias.dtype != torch.float32:
                 return f"layer {i}: {name} has a {lin.bias.dtype} bias"
+            if (lin.bias is not None and get_tp_group().size != 1
+                    and name in ("o_proj", "down_proj")):
+                return f"layer {i}: {name} has a bias, added once after the ranks' sum"
     return None
 
 
@@ -133,6 +139,12 @@ class LlamaCpuDecoder:
                 int(attn.attn.sliding_window or 0), attn.attn.k_cache, attn.attn.v_cache,
             )
 
+        # Tensor parallel: the decoder continues the shared-memory all-reduce's rounds.
+        self.comm = parallel_state.shm_all_reduce() if get_tp_group().size > 1 else None
+        if self.comm is not None:
+            self.decoder.set_all_reduce(self.comm.segment, self.comm.rank, self.comm.world_size,
+                                        self.comm.chunk, self.comm.timeout_ms)
+
     @classmethod
     def build(cls, model) -> tuple[LlamaCpuDecoder | None, str]:
         """The decoder for `model` (KV cache bound), or None and why it does not qualify."""
@@ -147,5 +159,14 @@ class LlamaCpuDecoder:
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
-        return self.decoder.forward(x.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous(),
-                                    meta.block_tables.contiguous(), meta.seq_lens_cpu)
+        if self.comm is None:
+            return self.decoder.forward(x.contiguous(), positions.contiguous(),
+                                        meta.slot_mapping.contiguous(),
+                                        meta.block_tables.contiguous(), meta.seq_lens_cpu)
+        self.decoder.set_round(self.comm.round)
+        try:
+            return self.decoder.forward(x.contiguous(), positions.contiguous(),
+                                        meta.slot_mapping.contiguous(),
+                                        meta.block_tables.contiguous(), meta.seq_lens_cpu)
+        finally:
+            self.comm.round = self.decoder.round()

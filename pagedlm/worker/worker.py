@@ -233,11 +233,7 @@ class Worker:
         # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
         # like them turned off by enforce_eager.
         if self.device.type == "cpu" and not self.args.enforce_eager:
-            if self.world_size > 1:
-                # Its layers run in one C++ call, with no all-reduce between them.
-                logger.info("C++ decoder for pure-decode steps: off (tensor parallel)")
-            else:
-                logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
+            logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
         # Decode steps replay CUDA graphs unless told not to, or the backend plans from
         # per-step host values a graph would freeze (the torch backend's length buckets).
         self.cuda_graphs = (self.device.type == "cuda" and not self.args.enforce_eager
@@ -247,3 +243,8 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def fast_paths(self) -> dict[str, bool]:
+        """Which fast paths this rank's pure-decode steps take (after initialize_cache)."""
+        return {"cpu_decoder": self.model_runner.cpu_decoder is not None,
+                "cuda_graphs": bool(getattr(self, "cuda_graphs", False))}
