@@ -362,11 +362,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_panel_gemm_cpu(m);
   bind_q8_gemm_cpu(m);
   bind_shm_allreduce_cpu(m);
-  pybind11::class_<Linear>(m, "Linear")
+  // module_local: a second build of this library in one process (tests/isa_builds.py loads
+  // one per instruction set beside the native one) registers its own classes.
+  pybind11::class_<Linear>(m, "Linear", pybind11::module_local())
       .def_static("q8", &Linear::q8)
       .def_static("panel", &Linear::panel)
       .def_static("block", &Linear::block);
-  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder")
+  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder", pybind11::module_local())
       .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
