@@ -76,7 +76,7 @@ def test_layer_scales_fold_into_softmax_and_output(cache_dtype):
     assert layer.v_scale == pytest.approx(v.abs().max().item() * FP8_HEADROOM / fmax)
 
     def quantised(x, scale):
-        return (x / scale).clamp(-fmax, fmax).to(cache_dtype).float() * scale
+        return (x * (1.0 / scale)).clamp(-fmax, fmax).to(cache_dtype).float() * scale
 
     for outlier in (False, True):  # past the calibrated range: clamped, not inf or NaN
         if outlier:

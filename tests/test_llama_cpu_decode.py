@@ -134,7 +134,7 @@ def test_decoder_reuses_and_grows_its_buffers(tiny_llama_dir):
     assert kv.num_free_blocks == kv.num_blocks
 
 
-@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "fp8", "fp8_e5m2"])
 def test_decoder_writes_each_cache_dtype_as_the_layers_do(tiny_llama_dir, kv_dtype):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", kv_cache_dtype=kv_dtype,
               num_threads=2, enable_prefix_caching=False)

@@ -135,11 +135,28 @@ struct Layer {
   std::vector<Linear> linears;  // qkv, o, gate_up, down
   int64_t window = 0;  // 0: full attention
   torch::Tensor k_cache, v_cache;
+  // The softmax scale the query is multiplied by; with a float8 cache also its K / V
+  // quantisation (x * inv, clamped to +-fp8_max, rounded by c10's conversion, as torch's
+  // .to does) and the V scale the attention output is multiplied by (layers/attention.py).
+  float q_scale = 1.f, k_inv = 1.f, v_inv = 1.f, out_scale = 1.f, fp8_max = 0.f;
 };
+
+template <typename fp8_t>
+void write_fp8_rows(const float* s, int64_t stride, fp8_t* c, const int64_t* slots, int64_t n,
+                    int64_t width, float inv, float fp8_max) {
+  for (int64_t t = 0; t < n; ++t) {
+    const float* row = s + t * stride;
+    fp8_t* dst = c + slots[t] * width;
+    for (int64_t i = 0; i < width; ++i) {
+      dst[i] = static_cast<fp8_t>(std::min(std::max(row[i] * inv, -fp8_max), fp8_max));
+    }
+  }
+}
 
 // cache_flat[slot[t]] = src[t] for every token t; src [n, width] float32 with unit stride
 // in the last dim (a view into the fused qkv output is fine).
-void write_cache(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t n) {
+void write_cache(const torch::Tensor& src, torch::Tensor& cache, const int64_t* slots, int64_t n,
+                 float inv = 1.f, float fp8_max = 0.f) {
   const int64_t width = src.size(1), stride = src.stride(0);
   TORCH_CHECK(src.stride(1) == 1, "cache rows must have unit stride");
   const float* s = src.data_ptr<float>();
@@ -173,6 +190,12 @@ void write_cache(const torch::Tensor& src, torch::Tensor& cache, const int64_t* 
       }
       break;
     }
+    case torch::kFloat8_e4m3fn:
+      write_fp8_rows(s, stride, cache.data_ptr<at::Float8_e4m3fn>(), slots, n, width, inv, fp8_max);
+      break;
+    case torch::kFloat8_e5m2:
+      write_fp8_rows(s, stride, cache.data_ptr<at::Float8_e5m2>(), slots, n, width, inv, fp8_max);
+      break;
     default:
       TORCH_CHECK(false, "unsupported KV cache dtype ", cache.scalar_type());
   }
@@ -213,8 +236,11 @@ class LlamaDecoder {
   }
 
   // One decoder layer, in order; `linears` are its qkv, o, gate_up and down matmuls.
+  // q_scale: the query's softmax scale; k_inv, v_inv, out_scale, fp8_max: a float8 cache's
+  // quantisation (see Layer; ignored for other caches).
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, std::vector<Linear> linears,
-                 int64_t window, torch::Tensor k_cache, torch::Tensor v_cache) {
+                 int64_t window, torch::Tensor k_cache, torch::Tensor v_cache, double q_scale,
+                 double k_inv, double v_inv, double out_scale, double fp8_max) {
     TORCH_CHECK(linears.size() == 4, "a layer has four matmuls: qkv, o, gate_up, down");
     const int64_t q_size = num_heads_ * head_dim_, kv_size = num_kv_heads_ * head_dim_;
     TORCH_CHECK(linears[0].out_features() == q_size + 2 * kv_size, "qkv has ",
@@ -230,6 +256,13 @@ class LlamaDecoder {
     layer.window = window;
     layer.k_cache = k_cache;
     layer.v_cache = v_cache;
+    layer.q_scale = static_cast<float>(q_scale);
+    const bool fp8 = k_cache.element_size() == 1;
+    TORCH_CHECK(!fp8 || fp8_max > 0, "a float8 cache needs its range (fp8_max)");
+    layer.k_inv = fp8 ? static_cast<float>(k_inv) : 1.f;
+    layer.v_inv = fp8 ? static_cast<float>(v_inv) : 1.f;
+    layer.out_scale = fp8 ? static_cast<float>(out_scale) : 1.f;
+    layer.fp8_max = fp8 ? static_cast<float>(fp8_max) : 0.f;
     layers_.push_back(std::move(layer));
   }
 
@@ -281,13 +314,18 @@ class LlamaDecoder {
       clock.lap(kQkv);
       rotary_into(qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_}), pos, cos_, sin_, q);
       rotary_into(qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_}), pos, cos_, sin_, k);
-      write_cache(k.view({n, kv_size}), layer.k_cache, slots, n);
-      write_cache(qkv.narrow(1, q_size + kv_size, kv_size), layer.v_cache, slots, n);
+      write_cache(k.view({n, kv_size}), layer.k_cache, slots, n, layer.k_inv, layer.fp8_max);
+      write_cache(qkv.narrow(1, q_size + kv_size, kv_size), layer.v_cache, slots, n, layer.v_inv,
+                  layer.fp8_max);
       float* q_p = q.data_ptr<float>();
-      for (int64_t i = 0; i < n * q_size; ++i) q_p[i] *= scale_;
+      for (int64_t i = 0; i < n * q_size; ++i) q_p[i] *= layer.q_scale;
       clock.lap(kRotaryCache);
       paged_decode_into(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0, layer.window,
                         c10::nullopt, attn);  // [n, heads, head_dim]
+      if (layer.fp8_max > 0) {
+        float* a_p = attn.data_ptr<float>();
+        for (int64_t i = 0; i < n * q_size; ++i) a_p[i] *= layer.out_scale;
+      }
       clock.lap(kAttention);
       layer.linears[1](attn.view({n, q_size}), xb);
       if (world_ > 1) round_ = all_reduce_rounds(comm_, rank_, round_, x_p, n * hidden, timeout_ms_);

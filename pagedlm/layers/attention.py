@@ -22,7 +22,7 @@ class Attention(nn.Module):
     (W keys including itself, HF's convention); `logits_soft_cap=c` maps each score s
     to c * tanh(s / c) before the ALiBi bias and the mask (Gemma 2).
 
-    A float8 cache holds K / k_scale and V / v_scale (per-tensor scales of this layer,
+    A float8 cache holds K * (1 / k_scale) and V * (1 / v_scale) (per-tensor scales of this layer,
     set by `calibrate_fp8_scales`). The step's K and V are quantised here, so every backend
     attends over exactly the values the cache holds, and the scales fold into the softmax
     scale (q . k = (q . k8) * k_scale) and the output (sum p v = v_scale * sum p v8):
@@ -57,6 +57,9 @@ class Attention(nn.Module):
         # |V| are recorded into it (calibration).
         self.k_scale = 1.0
         self.v_scale = 1.0
+        # Quantising multiplies by these (a float32 product, which the C++ decoder repeats).
+        self.k_scale_inv = 1.0
+        self.v_scale_inv = 1.0
         self.kv_amax: list[float] | None = None
 
     @property
@@ -82,8 +85,8 @@ class Attention(nn.Module):
         if self.kv_amax is not None:
             self.kv_amax[0] = max(self.kv_amax[0], float(key.abs().max()))
             self.kv_amax[1] = max(self.kv_amax[1], float(value.abs().max()))
-        key8 = (key.float() / self.k_scale).clamp_(-fp8_max, fp8_max).to(self.k_cache.dtype)
-        value8 = (value.float() / self.v_scale).clamp_(-fp8_max, fp8_max).to(self.v_cache.dtype)
+        key8 = (key.float() * self.k_scale_inv).clamp_(-fp8_max, fp8_max).to(self.k_cache.dtype)
+        value8 = (value.float() * self.v_scale_inv).clamp_(-fp8_max, fp8_max).to(self.v_cache.dtype)
         out = self.backend.forward(query, key8, value8, self.k_cache, self.v_cache, meta,
                                    self.scale * self.k_scale, **self._backend_kwargs)
         return out * self.v_scale
@@ -95,4 +98,5 @@ class Attention(nn.Module):
         k_amax, v_amax = self.kv_amax
         self.k_scale = max(k_amax, 1e-6) * FP8_HEADROOM / fp8_max
         self.v_scale = max(v_amax, 1e-6) * FP8_HEADROOM / fp8_max
+        self.k_scale_inv, self.v_scale_inv = 1.0 / self.k_scale, 1.0 / self.v_scale
         self.kv_amax = None

@@ -12,7 +12,7 @@ layers' float for float; the Python layers stay the reference
 Only models whose forward is exactly models/llama.py's qualify: `LlamaCpuDecoder.build`
 returns None with the reason otherwise (another layer class, a matmul other than those
 (fbgemm's float16 GEMM, plain F.linear), a backend other than the CPU kernels, ALiBi, a
-soft cap, a rotary the kernel does not do, a float8 KV cache). Under tensor parallelism each
+soft cap, a rotary the kernel does not do). Under tensor parallelism each
 rank's decoder sums its o_proj and down_proj outputs over the ranks through the
 shared-memory all-reduce the Python layers use (ranks on one machine; not across machines).
 """
@@ -24,6 +24,7 @@ import torch
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
 from pagedlm.layers import parallel_state
+from pagedlm.layers.attention import FP8_MAX
 from pagedlm.layers.parallel_state import get_tp_group
 
 
@@ -73,8 +74,6 @@ def _why_not(model) -> str | None:
             return f"layer {i}: ALiBi or a logits soft cap"
         if a.k_cache is None or a.k_cache.device.type != "cpu":
             return f"layer {i}: no CPU KV cache bound"
-        if a.k_cache.element_size() == 1:
-            return f"layer {i}: a {a.k_cache.dtype} KV cache (its scales are applied per layer)"
         for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
                           ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
             if _linear_kind(lin.matmul) is None:
@@ -133,10 +132,15 @@ class LlamaCpuDecoder:
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            a = attn.attn
+            fp8_max = FP8_MAX.get(a.k_cache.dtype)
+            # As layers/attention.py computes them: a float8 cache's softmax scale is
+            # scale * k_scale (a Python float), its output is multiplied by v_scale.
             self.decoder.add_layer(
                 layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data,
-                [_linear(kernels, lin) for lin in linears],
-                int(attn.attn.sliding_window or 0), attn.attn.k_cache, attn.attn.v_cache,
+                [_linear(kernels, lin) for lin in linears], int(a.sliding_window or 0),
+                a.k_cache, a.v_cache, a.scale * a.k_scale if fp8_max else a.scale,
+                a.k_scale_inv, a.v_scale_inv, a.v_scale, fp8_max or 0.0,
             )
 
         # Tensor parallel: the decoder continues the shared-memory all-reduce's rounds.
