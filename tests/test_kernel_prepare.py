@@ -41,6 +41,19 @@ def test_unbuilt_kernels_are_found_and_built_together(tmp_path, monkeypatch, cap
         csrc.prepare_cpu_kernels()
     assert built == [] and "building" not in caplog.text
 
+    # A library older than a file it compiles (an upgrade, here of a header the decoder
+    # includes through another kernel file) is rebuilt, announced, not silently on load.
+    decoder = "llama_decode_cpu"
+    assert {"torch_lite.h", "paged_attention_cpu.cpp", "cpu_vec.h"} <= {
+        p.name for p in csrc._sources_of(decoder)}
+    import os
+
+    os.utime(csrc._built_library(decoder), (0, 0))
+    assert csrc.unbuilt_kernels() == [decoder]
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        csrc.prepare_cpu_kernels()
+    assert built == [decoder] and "building 1 CPU kernels, one time" in caplog.text
+
 
 def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch):
     calls = []

@@ -144,8 +144,31 @@ def _built_library(stem: str) -> Path:
 
 
 def unbuilt_kernels() -> list[str]:
-    """The kernels with no library built yet (they compile on their first load)."""
-    return [stem for stem in kernel_stems() if not _built_library(stem).exists()]
+    """The kernels with no library built yet, or one older than a file it compiles (an
+    upgrade): they compile on their first load, which prepare_cpu_kernels announces."""
+    stale = []
+    for stem in kernel_stems():
+        library = _built_library(stem)
+        newest = max(path.stat().st_mtime for path in _sources_of(stem))
+        if not library.exists() or library.stat().st_mtime < newest:
+            stale.append(stem)
+    return stale
+
+
+def _sources_of(stem: str) -> list[Path]:
+    """The files a kernel's build reads from this directory: its source and what it
+    #includes from here (kernel files, headers), recursively."""
+    seen: dict[str, Path] = {}
+    todo = [f"{stem}.cpp"]
+    while todo:
+        name = todo.pop()
+        path = CSRC_DIR / name
+        if name in seen or not path.is_file():
+            continue
+        seen[name] = path
+        todo += re.findall(r'^#include "([\w.]+)"', path.read_text(encoding="utf-8"),
+                           flags=re.MULTILINE)
+    return list(seen.values())
 
 
 def prepare_cpu_kernels() -> None:
@@ -173,11 +196,8 @@ def prepare_cpu_kernels() -> None:
 
 
 def _build_cost(stem: str) -> int:
-    """Bytes of C++ a kernel compiles: its source and the kernel files it includes."""
-    source = CSRC_DIR / f"{stem}.cpp"
-    text = source.read_text(encoding="utf-8")
-    included = re.findall(r'^#include "(\w+\.cpp)"', text, flags=re.MULTILINE)
-    return len(text) + sum((CSRC_DIR / name).stat().st_size for name in included)
+    """Bytes of C++ a kernel compiles from this directory."""
+    return sum(path.stat().st_size for path in _sources_of(stem))
 
 
 def load_all_extensions() -> dict[str, str]:
