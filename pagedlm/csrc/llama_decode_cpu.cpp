@@ -226,11 +226,11 @@ class Clock {
 
 class LlamaDecoder {
  public:
-  LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+  // The softmax scale is each layer's (add_layer's q_scale).
+  LlamaDecoder(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps,
                torch::Tensor cos_cache, torch::Tensor sin_cache, torch::Tensor final_norm)
       : num_heads_(num_heads), num_kv_heads_(num_kv_heads), head_dim_(head_dim),
-        eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)), cos_(cos_cache),
-        sin_(sin_cache), final_norm_(final_norm) {
+        eps_(static_cast<float>(eps)), cos_(cos_cache), sin_(sin_cache), final_norm_(final_norm) {
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0 && head_dim > 0,
                 "num_heads must be a positive multiple of num_kv_heads");
   }
@@ -382,7 +382,6 @@ class LlamaDecoder {
  private:
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;  // as the RMSNorm kernel takes it
-  float scale_;
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
   Workspace ws_;
@@ -407,7 +406,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("panel", &Linear::panel)
       .def_static("block", &Linear::block);
   pybind11::class_<LlamaDecoder>(m, "LlamaDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, double, torch::Tensor, torch::Tensor,
+      .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
                           torch::Tensor>())
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("forward", &LlamaDecoder::forward)

@@ -57,10 +57,16 @@ class Attention(nn.Module):
         # |V| are recorded into it (calibration).
         self.k_scale = 1.0
         self.v_scale = 1.0
-        # Quantising multiplies by these (a float32 product, which the C++ decoder repeats).
-        self.k_scale_inv = 1.0
-        self.v_scale_inv = 1.0
         self.kv_amax: list[float] | None = None
+
+    # Quantising multiplies by these (a float32 product, which the C++ decoder repeats).
+    @property
+    def k_scale_inv(self) -> float:
+        return 1.0 / self.k_scale
+
+    @property
+    def v_scale_inv(self) -> float:
+        return 1.0 / self.v_scale
 
     @property
     def _backend_kwargs(self) -> dict:
@@ -98,5 +104,4 @@ class Attention(nn.Module):
         k_amax, v_amax = self.kv_amax
         self.k_scale = max(k_amax, 1e-6) * FP8_HEADROOM / fp8_max
         self.v_scale = max(v_amax, 1e-6) * FP8_HEADROOM / fp8_max
-        self.k_scale_inv, self.v_scale_inv = 1.0 / self.k_scale, 1.0 / self.v_scale
         self.kv_amax = None

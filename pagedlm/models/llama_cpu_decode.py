@@ -23,9 +23,8 @@ import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
-from pagedlm.layers import parallel_state
 from pagedlm.layers.attention import FP8_MAX
-from pagedlm.layers.parallel_state import get_tp_group
+from pagedlm.layers.parallel_state import get_tp_group, shm_all_reduce
 
 
 def _why_not(model) -> str | None:
@@ -48,7 +47,7 @@ def _why_not(model) -> str | None:
     inner = model.model
     if type(inner) is not LlamaModel or type(inner.embed_tokens) is not VocabParallelEmbedding:
         return "the model body is not models/llama.py's LlamaModel"
-    if get_tp_group().size != 1 and parallel_state.shm_all_reduce() is None:
+    if get_tp_group().size != 1 and shm_all_reduce() is None:
         return "tensor parallelism across machines (its sums are not in shared memory)"
     if type(inner.norm) is not RMSNorm or inner.norm.weight.dtype != torch.float32:
         return "the final norm is not a float32 RMSNorm"
@@ -127,7 +126,7 @@ class LlamaCpuDecoder:
         self.embed_tokens = inner.embed_tokens
         self.decoder = kernels.LlamaDecoder(
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, float(inner.norm.eps),
-            float(attn0.attn.scale), rotary.cos_cache, rotary.sin_cache, inner.norm.weight.data,
+            rotary.cos_cache, rotary.sin_cache, inner.norm.weight.data,
         )
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -144,7 +143,7 @@ class LlamaCpuDecoder:
             )
 
         # Tensor parallel: the decoder continues the shared-memory all-reduce's rounds.
-        self.comm = parallel_state.shm_all_reduce() if get_tp_group().size > 1 else None
+        self.comm = shm_all_reduce() if get_tp_group().size > 1 else None
         if self.comm is not None:
             self.decoder.set_all_reduce(self.comm.segment, self.comm.rank, self.comm.world_size,
                                         self.comm.chunk, self.comm.timeout_ms)

@@ -247,4 +247,4 @@ class Worker:
     def fast_paths(self) -> dict[str, bool]:
         """Which fast paths this rank's pure-decode steps take (after initialize_cache)."""
         return {"cpu_decoder": self.model_runner.cpu_decoder is not None,
-                "cuda_graphs": bool(getattr(self, "cuda_graphs", False))}
+                "cuda_graphs": self.cuda_graphs}
