@@ -569,25 +569,10 @@ void paged_decode_into(const torch::Tensor& query, const torch::Tensor& k_cache,
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
               "out must be a contiguous float32 tensor shaped as the query");
   const float cap = static_cast<float>(soft_cap);
-  switch (k_cache.scalar_type()) {
-    case torch::kFloat:
-      run_decode<float>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
-      break;
-    case torch::kBFloat16:
-      run_decode<at::BFloat16>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
-      break;
-    case torch::kHalf:
-      run_decode<at::Half>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
-      break;
-    case torch::kFloat8_e4m3fn:
-      run_decode<at::Float8_e4m3fn>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
-      break;
-    case torch::kFloat8_e5m2:
-      run_decode<at::Float8_e5m2>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV cache dtype ", k_cache.scalar_type());
-  }
+  const bool known = pagedlm::visit_cache_dtype(k_cache.scalar_type(), [&](auto tag) {
+    run_decode<decltype(tag)>(query, k_cache, v_cache, block_tables, seq_lens, cap, window, slopes_p, out);
+  });
+  TORCH_CHECK(known, "unsupported KV cache dtype ", k_cache.scalar_type());
 }
 
 // As paged_decode_into, into a new tensor.

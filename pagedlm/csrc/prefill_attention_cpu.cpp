@@ -366,19 +366,10 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   }
   torch::Tensor out = torch::empty_like(q);
   if (q.size(0) == 0) return out;
-  if (k_cache.scalar_type() == torch::kFloat) {
-    run_prefill<float>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
-  } else if (k_cache.scalar_type() == torch::kHalf) {
-    run_prefill<at::Half>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
-  } else if (k_cache.scalar_type() == torch::kBFloat16) {
-    run_prefill<at::BFloat16>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
-  } else if (k_cache.scalar_type() == torch::kFloat8_e4m3fn) {
-    run_prefill<at::Float8_e4m3fn>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
-  } else if (k_cache.scalar_type() == torch::kFloat8_e5m2) {
-    run_prefill<at::Float8_e5m2>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
-  } else {
-    TORCH_CHECK(false, "cache dtype must be float32, float16, bfloat16 or float8 (e4m3fn, e5m2)");
-  }
+  const bool known = pagedlm::visit_cache_dtype(k_cache.scalar_type(), [&](auto tag) {
+    run_prefill<decltype(tag)>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
+  });
+  TORCH_CHECK(known, "cache dtype must be float32, float16, bfloat16 or float8 (e4m3fn, e5m2)");
   return out;
 }
 

@@ -28,3 +28,19 @@ constexpr auto kFloat32 = at::kFloat;
 constexpr auto kFloat8_e4m3fn = at::kFloat8_e4m3fn;
 constexpr auto kFloat8_e5m2 = at::kFloat8_e5m2;
 }  // namespace torch
+
+namespace pagedlm {
+// f(T{}) with T the element type of a KV cache of dtype `t` (float32, float16, bfloat16,
+// float8 e4m3fn or e5m2), for kernels templated on it; false for any other dtype.
+template <typename F>
+bool visit_cache_dtype(c10::ScalarType t, F&& f) {
+  switch (t) {
+    case c10::ScalarType::Float: f(float{}); return true;
+    case c10::ScalarType::Half: f(at::Half{}); return true;
+    case c10::ScalarType::BFloat16: f(at::BFloat16{}); return true;
+    case c10::ScalarType::Float8_e4m3fn: f(at::Float8_e4m3fn{}); return true;
+    case c10::ScalarType::Float8_e5m2: f(at::Float8_e5m2{}); return true;
+    default: return false;
+  }
+}
+}  // namespace pagedlm
