@@ -1,8 +1,32 @@
-"""Comparison helpers shared by the model tests, and the GGUF tests' tiny tokenizer."""
+"""Comparison helpers shared by the model tests, the GGUF tests' tiny tokenizer, and the
+wait for a test server to come up."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 import torch
+
+
+def wait_until_healthy(url: str, proc, timeout_s: float, log: Callable[[], str],
+                       interval_s: float = 0.25) -> None:
+    """Poll `url`/health until it answers 200; RuntimeError with the server's output
+    (`log()`) if the process `proc` exits first or `timeout_s` passes."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"server not healthy after {timeout_s:.0f} s:\n{log()}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval_s)
 
 
 # GGUF test tokenizer, a byte-level BPE: GPT-2's byte -> unicode spelling, rebuilt here so the

@@ -13,7 +13,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 from pagedlm.entrypoints.cli import build_parser, main
 from tests.conftest import smollm2_path
+from tests.helpers import wait_until_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,7 +58,6 @@ def tiny_smol_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture(scope="module")
 def server_url(tiny_smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    import httpx
 
     if not has_serve_command():
         pytest.skip("`pagedlm serve` does not exist yet")
@@ -76,16 +75,7 @@ def server_url(tiny_smol_dir: str, tmp_path_factory: pytest.TempPathFactory) -> 
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         try:
-            deadline = time.monotonic() + 120
-            while True:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not come up:\n{log_path.read_text()[-4000:]}")
-                try:
-                    if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
+            wait_until_healthy(url, proc, 120, lambda: log_path.read_text()[-4000:], 0.2)
             yield url
         finally:
             proc.send_signal(signal.SIGINT)

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import requires_smollm2
+from tests.helpers import wait_until_healthy
 from tests.server.conftest import free_port
 
 pytestmark = [requires_smollm2, pytest.mark.slow]
@@ -69,15 +70,7 @@ def test_readme_first_command_in_a_fresh_virtualenv(tmp_path):
         import httpx
 
         url = f"http://127.0.0.1:{port}"
-        while True:
-            assert proc.poll() is None, (tmp_path / "serve.log").read_text()
-            assert time.monotonic() - started < 600, "not ready in 10 minutes"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_healthy(url, proc, 600, (tmp_path / "serve.log").read_text, 0.5)
         ready_s = time.monotonic() - started
         r = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
             "model": "SmolLM2-135M-Instruct", "max_tokens": 16, "temperature": 0,

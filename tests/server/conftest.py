@@ -11,13 +11,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import smollm2_path
+from tests.helpers import wait_until_healthy
 
 API_KEY = "test-key-123"
 TINY_NAME = "tiny"
@@ -58,20 +58,11 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def wait_healthy(self) -> None:
-        import httpx
-
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        self.stop()
-        raise RuntimeError(f"server not healthy after {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+        try:
+            wait_until_healthy(self.url, self.proc, STARTUP_TIMEOUT_S, self.log)
+        except RuntimeError:
+            self.stop()
+            raise
 
     def assert_alive(self) -> None:
         import httpx
