@@ -130,3 +130,19 @@ def test_a_failed_or_skipped_run_says_why(tmp_path):
     assert r == {"error": "skipped: 5 s of the budget left"}
     run_all.write_results(tmp_path, {"errors": {"decode eager": r["error"]}})
     assert "- decode eager: `skipped" in (tmp_path / "results.md").read_text()
+
+
+def test_decode_profiler_works_on_cpu(tmp_path, monkeypatch):
+    """benchmarks/gpu/profile_decode.py, with the tiny model on CPU: it writes the profile
+    with its per-step figures, the kernel/operator tables and the host-side cProfile."""
+    path = _PATH.with_name("profile_decode.py")
+    spec = importlib.util.spec_from_file_location("gpu_profile_decode", path)
+    prof = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(prof)
+    monkeypatch.setattr(prof.run_all, "DEVICE", "cpu")
+    monkeypatch.setattr(prof.run_all, "LLAMA3_8B", TINY_LLAMA)
+    assert prof.main(["--out-dir", str(tmp_path), "--eager", "--tokens", "4"]) == 0
+    text = (tmp_path / "profile_decode_eager.txt").read_text()
+    assert "mode eager, batch 1, 4 tokens per request" in text
+    assert "wall per step:" in text and "execute_model" in text
+    assert str(_PATH.parents[2]) not in text  # paths are relative to the repository

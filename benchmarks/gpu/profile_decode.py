@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = run_all.write_model_dir(Path(tmp) / "llama3-8b", run_all.LLAMA3_8B)
+        cuda = run_all.DEVICE == "cuda"
         llm = LLM(skip_tokenizer_init=True, max_num_seqs=max(8, args.batch),
                   **run_all._llm_kwargs(model_dir, args.eager))
     prompts = [{"prompt_token_ids": list(range(1 + i, 33 + i))} for i in range(args.batch)]
@@ -50,13 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     def gen() -> float:
         t0 = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
-        torch.cuda.synchronize()
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     gen()  # warm-up: captures, compiles
     gen()  # again: from here the prompt is a prefix-cache hit, a prefill of another shape
     wall = gen()
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         gen()
     events = prof.key_averages()
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     pstats.Stats(prof_py, stream=s).sort_stats("cumulative").print_stats(40)
     mode = "eager" if args.eager else "graphs"
     lines = [
-        f"device {torch.cuda.get_device_name()}, torch {torch.__version__}, mode {mode}, "
+        f"device {torch.cuda.get_device_name() if cuda else 'cpu'}, torch {torch.__version__}, mode {mode}, "
         f"batch {args.batch}, {args.tokens} tokens per request",
         f"wall per step: {wall / args.tokens * 1e3:.2f} ms (prefill included once)",
         f"GPU kernel time per step (profiled run): {kernel_us / args.tokens / 1e3:.2f} ms",
