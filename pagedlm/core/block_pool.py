@@ -14,11 +14,20 @@ With `reserve_null_block` (sliding-window models), block 0 is the null block: it
 in a block table for a block freed because no future query can see it, and attention
 never reads it (the window masks it). It is never handed out, hashed or freed, and its
 ref_cnt stays pinned at 1 (held by the pool, not by the tables that name it).
+
+Two numpy arrays mirror, block by block, what the dashboard draws: `ref_counts` (each
+block's ref_cnt) and `hashed` (the block is a prefix-cache entry). They are kept as the
+counts change, so a snapshot of every block's state is a few vector operations
+(engine/dashboard.py), never a walk over the blocks in Python.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+
+import numpy as np
+
+from pagedlm.core.block_states import block_state_of, block_states
 
 
 class KVCacheBlock:
@@ -102,10 +111,13 @@ class BlockPool:
         self.cached_blocks: dict[bytes, KVCacheBlock] = {}
         self.num_evictions = 0
         self.num_shared_blocks = 0  # blocks with ref_cnt > 1, kept as refs change
+        self.ref_counts = np.zeros(num_blocks, dtype=np.int32)  # == [b.ref_cnt for b in blocks]
+        self.hashed = np.zeros(num_blocks, dtype=np.bool_)  # == [b.block_hash is not None ...]
         self.null_block: KVCacheBlock | None = None
         if reserve_null_block:
             self.null_block = self.free_queue.popleft()
             self.null_block.ref_cnt = 1
+            self.ref_counts[self.null_block.block_id] = 1
 
     @property
     def num_usable_blocks(self) -> int:
@@ -135,6 +147,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self._evict(block)
             block.ref_cnt = 1
+            self.ref_counts[block.block_id] = 1
             blocks.append(block)
         return blocks
 
@@ -143,6 +156,7 @@ class BlockPool:
             del self.cached_blocks[block.block_hash]
             self.num_evictions += 1
         block.block_hash = None
+        self.hashed[block.block_id] = False
 
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_blocks.get(block_hash)
@@ -154,12 +168,14 @@ class BlockPool:
         if block.block_hash is not None or block_hash in self.cached_blocks:
             return
         block.block_hash = block_hash
+        self.hashed[block.block_id] = True
         self.cached_blocks[block_hash] = block
 
     def reset_prefix_cache(self) -> None:
         for block in self.cached_blocks.values():
             block.block_hash = None
         self.cached_blocks.clear()
+        self.hashed[:] = False
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Add a reference to blocks another request already holds (or that sit free)."""
@@ -170,6 +186,7 @@ class BlockPool:
             elif block.ref_cnt == 1:
                 self.num_shared_blocks += 1
             block.ref_cnt += 1
+            self.ref_counts[block.block_id] += 1
 
     def free_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference from each block, in the order given.
@@ -181,6 +198,7 @@ class BlockPool:
             assert block.ref_cnt > 0, f"double free of {block}"
             assert block is not self.null_block
             block.ref_cnt -= 1
+            self.ref_counts[block.block_id] -= 1
             if block.ref_cnt == 1:
                 self.num_shared_blocks -= 1
             elif block.ref_cnt == 0:
@@ -194,6 +212,10 @@ class BlockPool:
         assert set(free_ids) == zero_ref, (sorted(free_ids), sorted(zero_ref))
         assert all(b.ref_cnt >= 0 for b in self.blocks)
         assert self.num_shared_blocks == sum(1 for b in self.blocks if b.ref_cnt > 1)
+        assert self.ref_counts.tolist() == [b.ref_cnt for b in self.blocks]
+        assert self.hashed.tolist() == [b.block_hash is not None for b in self.blocks]
+        assert block_states(self, []).tolist() == [block_state_of(b, self, set())
+                                                   for b in self.blocks]
         for block_hash, block in self.cached_blocks.items():
             assert block.block_hash == block_hash, (block, block_hash)
         hashed = {b.block_id for b in self.blocks if b.block_hash is not None}

@@ -80,6 +80,10 @@ class Request:
         # for its siblings before the next selection).
         self.paused = False
         self.arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        # When it was first scheduled and got its first token (time.monotonic(); None: not
+        # yet). The dashboard's time in queue and TTFT.
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         # Leading tokens of all_token_ids the workers hold (0: they do not hold the request).
         self.num_synced_tokens = 0
 
@@ -107,6 +111,8 @@ class Request:
         return RequestStatus.finish_reason(self.status)
 
     def append_output_token(self, token_id: int) -> None:
+        if not self.output_token_ids:
+            self.first_token_time = time.monotonic()
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
 

@@ -14,6 +14,7 @@ and it returns to the front of the waiting queue, to be recomputed from its firs
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 
@@ -189,6 +190,8 @@ class Scheduler:
             self.waiting.remove(request)
             self.running.append(request)
             request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.num_computed_tokens = num_hit_tokens
             if request.num_preemptions == 0:
                 request.num_cached_prompt_tokens = num_hit_tokens
@@ -301,6 +304,7 @@ class Scheduler:
             self.kv.fork(leader, follower)
             follower.num_computed_tokens = leader.num_computed_tokens
             follower.status = RequestStatus.RUNNING
+            follower.first_scheduled_time = leader.first_scheduled_time
             self.running.append(follower)
         for follower in reversed(deferred):
             self._unsync(follower)

@@ -32,10 +32,12 @@ from pagedlm.engine.core_client import (
     AbortCommand,
     AddCommand,
     CoreMessage,
+    DashboardCommand,
     FinishCommand,
     ProcessCoreClient,
     ThreadCoreClient,
 )
+from pagedlm.engine.dashboard import DashboardSnapshot
 from pagedlm.engine.frontend import EngineFrontend
 from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
 from pagedlm.engine.output_processor import RequestOutputKind
@@ -102,6 +104,10 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._started = False
         self.stats: EngineStats = self.client.initial_stats
+        self._stats_listeners: list[Callable[[EngineStats], None]] = []
+        # The latest dashboard snapshot (engine/dashboard.py), and who wants each new one.
+        self.dashboard: DashboardSnapshot | None = None
+        self._dashboard_listeners: list[Callable[[DashboardSnapshot], None]] = []
         self.dead_error: EngineDeadError | None = None
         # Set by fail_requests(): new requests get this error too.
         self._refusal: RequestFailedError | None = None
@@ -148,6 +154,21 @@ class AsyncLLMEngine:
         """Call `listener(output)` on the event loop for every output, aborted ones included
         (metrics use it). Must not raise."""
         self._listeners.append(listener)
+
+    def add_stats_listener(self, listener: Callable[[EngineStats], None]) -> None:
+        """Call `listener(stats)` on the event loop for every stats refresh from the core
+        (every 0.2 s while busy, and when requests come or go)."""
+        self._stats_listeners.append(listener)
+
+    def add_dashboard_listener(self, listener: Callable[[DashboardSnapshot], None]) -> None:
+        """Call `listener(snapshot)` on the event loop for every dashboard snapshot."""
+        self._dashboard_listeners.append(listener)
+
+    def watch_dashboard(self, delta: int) -> None:
+        """+1: a dashboard opened (snapshots stream while any is open), -1: one closed,
+        0: one snapshot now. Safe from the event loop only."""
+        if self.dead_error is None:
+            self.client.submit(DashboardCommand(delta))
 
     def add_dead_listener(self, listener: Callable[[], None]) -> None:
         """Call `listener()` on the event loop once, if the core dies."""
@@ -198,6 +219,12 @@ class AsyncLLMEngine:
                 future.set_exception(RuntimeError(ack.message))
         if message.stats is not None:
             self.stats = message.stats
+            for stats_listener in self._stats_listeners:
+                stats_listener(message.stats)
+        if message.dashboard is not None:
+            self.dashboard = message.dashboard
+            for dashboard_listener in self._dashboard_listeners:
+                dashboard_listener(message.dashboard)
         if message.outputs is not None:
             outputs, stopped, failed = frontend.process(message.outputs)
             if stopped:

@@ -16,16 +16,22 @@ which sequences are still live for each request, so an abort by user id reaches 
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedlm.config import EngineArgs, SchedulerConfig
+from pagedlm.core.block_states import block_states
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.beam_search import BeamSearchDriver
+from pagedlm.engine.dashboard import DashboardSnapshot, sequence_row
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
 from pagedlm.outputs import BeamSearchOutput
@@ -189,6 +195,10 @@ class EngineCore:
         self._num_generation_tokens = 0
         self.kv_usage: list[KVUsageSample] = []
         self.last_step: StepRecord | None = None
+        # What the dashboard reports about its own cost (engine/dashboard.py).
+        self._step_seconds = 0.0
+        self._snapshot_seconds = 0.0
+        self._num_snapshots = 0
 
     def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
         """The context served: max_model_len if the cache can hold it, else the model's
@@ -284,6 +294,13 @@ class EngineCore:
     # ----- one step --------------------------------------------------------------------------
 
     def step(self) -> CoreOutputs:
+        start = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self._step_seconds += time.perf_counter() - start
+
+    def _step(self) -> CoreOutputs:
         out = CoreOutputs()
         self._grammar_done.clear()
         sched = self.scheduler.schedule()
@@ -405,6 +422,33 @@ class EngineCore:
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
         )
+
+    def dashboard_snapshot(self) -> DashboardSnapshot:
+        """Every block's state and every live sequence, for the live dashboard."""
+        start = time.perf_counter()
+        kv, sched = self.kv_cache_manager, self.scheduler
+        copies = list(self.last_step.scheduled.copy_blocks) if self.last_step else []
+        states = block_states(kv.block_pool, [dst for _, dst in copies])
+        refs = np.minimum(kv.block_pool.ref_counts, 255).astype(np.uint8)
+        now = time.monotonic()
+        beam_owner, beam_ids = self.beam_search.owner, self.beam_search.group_ids
+        rows = []
+        pending = [f for followers in sched.pending_forks.values() for f in followers]
+        for request in itertools.chain(sched.running, sched.waiting, pending):
+            seq_id = request.request_id
+            parent = self._request_of.get(seq_id)
+            kind = "sample"
+            if parent is None:
+                group = beam_owner.get(seq_id)
+                parent, kind = (beam_ids.get(id(group)) if group else None) or seq_id, "beam"
+            rows.append(sequence_row(request, parent, kind, kv.get_block_ids(seq_id), now))
+        self._snapshot_seconds += time.perf_counter() - start
+        self._num_snapshots += 1
+        return DashboardSnapshot(
+            time=time.time(), step=self._num_steps, block_size=kv.block_size,
+            block_states=states.tobytes(), ref_counts=refs.tobytes(), sequences=rows,
+            stats=self.get_stats(), copies=copies, build_seconds_total=self._snapshot_seconds,
+            step_seconds_total=self._step_seconds, num_snapshots=self._num_snapshots)
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.block_pool.reset_prefix_cache()

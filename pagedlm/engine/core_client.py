@@ -6,7 +6,8 @@ its own so that HTTP, tokenisation and detokenisation never hold the core's GIL.
     submit(Add | Abort | Finish)  -> SimpleQueue --[sender thread, pipe]--> commands applied
     on_message(CoreMessage)       <--[receiver thread, pipe]-- one CoreMessage per step:
                                                                 acks, every request's new
-                                                                tokens, a stats snapshot
+                                                                tokens, a stats snapshot,
+                                                                the dashboard's if watched
 
 Commands wait at most one step: the loop drains them between steps and blocks on them only
 while it has no work. Everything crossing the pipe is token ids and small dataclasses,
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 
 from pagedlm.config import EngineArgs
 from pagedlm.engine.core import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pagedlm.engine.dashboard import SNAPSHOT_PERIOD_S, DashboardSnapshot
 from pagedlm.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,14 @@ class FinishCommand:
 
 
 @dataclass
+class DashboardCommand:
+    """watch=+1: a dashboard opened, -1: one closed (snapshots come every
+    SNAPSHOT_PERIOD_S while any is open and the engine is busy); 0: one snapshot now."""
+
+    watch: int = 0
+
+
+@dataclass
 class ShutdownCommand:
     pass
 
@@ -82,6 +92,7 @@ class CoreMessage:
     acks: list[Ack] = field(default_factory=list)
     outputs: CoreOutputs | None = None
     stats: EngineStats | None = None
+    dashboard: DashboardSnapshot | None = None
     dead: str | None = None  # the core stopped on this error; nothing more will come
 
 
@@ -92,13 +103,19 @@ def run_core_loop(core: EngineCore, recv: Callable[[bool], list], send: MessageH
                   max_num_queued_requests: int | None) -> None:
     """Apply commands and step until a ShutdownCommand. `recv(block)` returns the queued
     commands (at least one when `block`); `send` publishes a message."""
-    stats_time = 0.0
+    stats_time = snapshot_time = 0.0
+    watchers = 0  # dashboards open
     while True:
         commands = recv(not core.has_unfinished_requests())
         message = CoreMessage()
+        snapshot_now = False
         for command in commands:
             if isinstance(command, ShutdownCommand):
                 return
+            if isinstance(command, DashboardCommand):
+                watchers = max(0, watchers + command.watch)
+                snapshot_now = True
+                continue
             _apply(core, command, message, max_num_queued_requests)
         if core.has_unfinished_requests():
             outputs = core.step()
@@ -112,7 +129,13 @@ def run_core_loop(core: EngineCore, recv: Callable[[bool], list], send: MessageH
                 or now - stats_time >= _STATS_PERIOD_S):
             message.stats = core.get_stats()
             stats_time = now
-        if message.acks or message.outputs is not None or message.stats is not None:
+        # At most one snapshot per step, and none unless someone watches or asked.
+        if snapshot_now or (watchers and (now - snapshot_time >= SNAPSHOT_PERIOD_S
+                                          or not core.has_unfinished_requests())):
+            message.dashboard = core.dashboard_snapshot()
+            snapshot_time = now
+        if (message.acks or message.outputs is not None or message.stats is not None
+                or message.dashboard is not None):
             send(message)
 
 
