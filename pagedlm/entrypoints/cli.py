@@ -231,6 +231,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                         "Hermes, Qwen), llama3_json or mistral ([TOOL_CALLS]); auto reads it "
                         "from the chat template, hermes when the template has no tool support "
                         "(the tools are then described in a system prompt)")
+    g.add_argument("--disable-dashboard", action="store_true",
+                   help="serve no live dashboard (/dashboard, /dashboard/state, "
+                        "/dashboard/events; by default on, behind --api-key like the API)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's own log (one line per HTTP request at info)")
@@ -250,6 +253,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
     return run_server(args, engine_kwargs(args))
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    from pagedlm.entrypoints.top import run_top
+
+    if not args.interval > 0:
+        raise ValueError(f"--interval must be > 0 seconds, got {args.interval}")
+    return run_top(args.url, args.api_key, args.interval, args.once)
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -309,6 +320,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(serve)
     add_server_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    top = sub.add_parser("top", help="a running server's engine in the terminal: KV blocks, "
+                                     "requests, throughput (what /dashboard shows)")
+    top.add_argument("url", nargs="?", default="http://127.0.0.1:8000",
+                     help="the server's address")
+    top.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY") or None,
+                     help="the server's --api-key (default: $PAGEDLM_API_KEY)")
+    top.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
+    top.add_argument("--once", action="store_true", help="print one frame and exit")
+    top.set_defaults(func=cmd_top)
 
     from pagedlm.benchmarks.cli import add_bench_parser
 

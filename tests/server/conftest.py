@@ -132,11 +132,12 @@ def server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
 @pytest.fixture(scope="session")
 def busy_server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
     """One running sequence, one waiting: the third concurrent request gets a 503. No API
-    key; CORS allowed for one origin; 7 tokens for a request without max_tokens."""
+    key; CORS allowed for one origin; 7 tokens for a request without max_tokens; no
+    dashboard."""
     yield from _start(tmp_path_factory, "busy", [
         tiny_model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME,
         "--max-num-seqs", "1", "--max-num-queued-requests", "1", "--max-tokens-default", "7",
-        "--allowed-origins", '["http://ok.example"]',
+        "--allowed-origins", '["http://ok.example"]', "--disable-dashboard",
     ])
 
 

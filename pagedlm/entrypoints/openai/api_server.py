@@ -1,7 +1,7 @@
 """`pagedlm serve`: the FastAPI app and the uvicorn server around an AsyncLLMEngine.
 
     drain (503 once shutting down) -> CORS (only with --allowed-origins)
-      -> API key (all but /health) -> body size limit -> FastAPI routes -> Serving* -> AsyncLLMEngine (frontend) ==pipe==> engine core process
+      -> API key (all but /health) -> body size limit -> FastAPI routes (and /dashboard) -> Serving* -> AsyncLLMEngine (frontend) ==pipe==> engine core process
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from starlette.responses import Response
 import pagedlm
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_MAX_TOKENS
+from pagedlm.entrypoints.openai.dashboard import DashboardHub, add_dashboard_routes
 from pagedlm.entrypoints.openai.errors import (
     bad_request,
     error_response,
@@ -74,13 +75,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
               max_tokens_default: int = DEFAULT_MAX_TOKENS,
-              tool_call_parser: str = "auto") -> FastAPI:
+              tool_call_parser: str = "auto", enable_dashboard: bool = True) -> FastAPI:
     """The OpenAI-compatible app. Its lifespan starts and stops the engine."""
     serving = Serving(engine, served_model_names, max_tokens_default, tool_call_parser)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
     metrics = ServerMetrics(engine, serving.model_name)
     engine.add_output_listener(metrics.observe)
+    hub = DashboardHub(engine, serving.model_name) if enable_dashboard else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -174,6 +176,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
                               param="tokens")
         return DetokenizeResponse(prompt=await serving.detokenize(body.tokens, "tokens"))
 
+    if hub is not None:
+        add_dashboard_routes(app, hub)
     return app
 
 
@@ -238,7 +242,8 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     app = build_app(engine, names, api_key=args.api_key, allowed_origins=args.allowed_origins,
                     max_request_body_size=args.max_request_body_size,
                     max_tokens_default=args.max_tokens_default,
-                    tool_call_parser=args.tool_call_parser)
+                    tool_call_parser=args.tool_call_parser,
+                    enable_dashboard=not args.disable_dashboard)
     host = args.host
     url_host = f"[{host}]" if ":" in host else host
     stats = engine.stats
@@ -249,6 +254,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     logger.info("OpenAI-compatible API at http://%s:%d/v1 (API key %s, CORS %s)", url_host,
                 args.port, "required" if args.api_key else "off",
                 ", ".join(args.allowed_origins) if args.allowed_origins else "off")
+    if not args.disable_dashboard:
+        logger.info("live dashboard at http://%s:%d/dashboard%s (in a terminal: pagedlm top)",
+                    url_host, args.port, "?api_key=..." if args.api_key else "")
     drain = DrainMiddleware(app)
     config = uvicorn.Config(drain, host=host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=5, server_header=False,

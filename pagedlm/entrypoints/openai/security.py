@@ -7,6 +7,7 @@ untouched after the body: handlers rely on it to notice a client disconnect.
 from __future__ import annotations
 
 import hmac
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -14,12 +15,16 @@ from pagedlm.entrypoints.openai.errors import error_response
 
 # Paths a load balancer or orchestrator must reach without credentials.
 PUBLIC_PATHS = frozenset({"/health"})
+# A browser cannot put a header on a page it opens or on an EventSource: the dashboard's
+# paths also take the key as the query parameter `api_key` (/dashboard?api_key=...).
+QUERY_KEY_PREFIX = "/dashboard"
 # Bytes of an oversized body read and dropped before the 413 (see _too_large).
 DRAIN_LIMIT = 8 << 20
 
 
 class ApiKeyMiddleware:
-    """Requires `Authorization: Bearer <key>` on every path but /health."""
+    """Requires `Authorization: Bearer <key>` on every path but /health (on the
+    dashboard's, `?api_key=<key>` will do)."""
 
     def __init__(self, app: ASGIApp, api_key: str) -> None:
         if not api_key:
@@ -32,6 +37,10 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        if header is None and scope["path"].startswith(QUERY_KEY_PREFIX):
+            keys = parse_qs(scope.get("query_string", b"").decode("latin-1")).get("api_key")
+            if keys:
+                header = b"Bearer " + keys[0].encode()
         if header is None:
             message = "missing API key: send the header 'Authorization: Bearer <api key>'"
         else:
