@@ -353,3 +353,44 @@ def test_browser_shows_blocks_and_requests(dash_server, browser, tmp_path):
     assert _js(browser, "return window.pagedlmDashboard.historyLength") >= 1
     browser.save_screenshot(str(tmp_path / "dashboard.png"))
     assert not [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+
+
+@pytest.fixture(scope="module")
+def big_server(tmp_path_factory, tiny_model_dir) -> Iterator[ServerProcess]:
+    """Over 100k KV blocks: block size 1 (512 bytes a block for the tiny model), 50 MiB."""
+    args = list(TINY_ARGS)
+    args[args.index("--kv-cache-memory") + 1] = "50M"
+    yield from _start(tmp_path_factory, "dashboard-big", [
+        tiny_model_dir, *args, "--served-model-name", TINY_NAME, "--block-size", "1"])
+
+
+def test_browser_draws_a_hundred_thousand_blocks(big_server, browser):
+    browser.get(f"{big_server.url}/dashboard")
+    deadline = time.monotonic() + 30
+    while not _js(browser, "return window.pagedlmDashboard && window.pagedlmDashboard.snapshot"):
+        assert time.monotonic() < deadline, "the page got no snapshot"
+        time.sleep(0.05)
+    n = _js(browser, "return window.pagedlmDashboard.snapshot.stats.num_blocks_total")
+    assert n >= 100_000
+    assert sum(_js(browser, "return window.pagedlmDashboard.counts()")[s] for s in STATES) == n
+    # Every block has a cell inside the canvas; the last one is drawn (free: light grey).
+    last = _js(browser, f"""
+        const c = window.pagedlmDashboard.cellOf({n - 1}), canvas = document.getElementById('blockmap');
+        return [c.x + c.size <= canvas.width, c.y + c.size <= canvas.height,
+                [...canvas.getContext('2d').getImageData(c.x, c.y, 1, 1).data]];""")
+    assert last[0] and last[1] and last[2] == [229, 231, 235, 255]
+    worker = threading.Thread(target=_complete, args=(big_server,),
+                              kwargs=dict(prompt="a hundred thousand blocks " * 8,
+                                          max_tokens=600), daemon=True)
+    worker.start()
+    deadline = time.monotonic() + 60
+    owned = None
+    while owned is None and time.monotonic() < deadline:
+        owned = _js(browser, """  // the first block of a sequence that has computed some
+            const d = window.pagedlmDashboard, r = d.snapshot.sequences[0];
+            return r && r.computed_tokens > 0 ? d.blockInfo(r.block_ids[0]) : null;""")
+        time.sleep(0.05)
+    worker.join(120)
+    assert owned is not None, "never saw a block owned"
+    assert owned["state"] == "owned" and owned["refCount"] == 1
+    assert len(owned["owners"]) == 1 and owned["tokensHeld"] == 1

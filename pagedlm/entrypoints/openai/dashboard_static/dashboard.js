@@ -148,14 +148,16 @@
   }
 
   function rowHtml(r, child) {
-    const p = Math.max(1, r.prompt_tokens);
-    const done = Math.min(r.computed_tokens, r.prompt_tokens) / p;
-    const hit = r.cached_prompt_tokens / p;
+    // Of the prompt now in the cache: what the prefix cache gave, and all that is computed
+    // (after a preemption both start again from zero).
+    const p = Math.max(1, r.prompt_tokens), computed = Math.min(r.computed_tokens, r.prompt_tokens);
+    const cached = Math.min(r.cached_prompt_tokens, computed);
+    const done = computed / p, hit = cached / p;
     return `<tr class="${child ? "child" : "single"}" data-seq="${esc(r.seq_id)}" data-state="${r.state}">` +
       `<td>${esc(r.seq_id)}</td><td><span class="state ${r.state}">${r.state}</span></td>` +
       `<td><span class="bar"><i class="done" style="width:${(100 * done).toFixed(1)}%"></i>` +
       `<i class="hit" style="width:${(100 * hit).toFixed(1)}%"></i></span>` +
-      `${fmt(r.cached_prompt_tokens)} / ${fmt(Math.min(r.computed_tokens, r.prompt_tokens))} / ${fmt(r.prompt_tokens)}</td>` +
+      `${fmt(cached)} / ${fmt(computed)} / ${fmt(r.prompt_tokens)}</td>` +
       `<td>${fmt(r.output_tokens)}</td><td>${secs(r.queue_s)}</td><td>${secs(r.ttft_s)}</td>` +
       `<td>${secs(r.age_s)}</td><td>${r.preemptions}</td><td>${r.block_ids.length}</td></tr>`;
   }
