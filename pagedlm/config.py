@@ -6,7 +6,8 @@ can switch engines without relearning the knobs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
 
 GiB = 1 << 30
 
@@ -66,6 +67,9 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     # mp: worker processes on this machine; ray: actors on the nodes of a Ray cluster
     distributed_executor_backend: str = "mp"
+    # Speculative decoding: a SpeculativeConfig, its dict or its JSON text (vLLM's keys),
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -105,6 +109,65 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.skip_tokenizer_init and self.tokenizer is not None:
             raise ValueError("tokenizer and skip_tokenizer_init=True cannot be used together")
+        object.__setattr__(self, "speculative_config",
+                           SpeculativeConfig.parse(self.speculative_config))
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec_decode.py). Keys as vLLM names them.
+
+    ngram (prompt lookup): the last n tokens (n from prompt_lookup_max down to
+    prompt_lookup_min) are looked up earlier in the sequence; the tokens that followed
+    them there are the proposal. Every proposal of a step is verified in one forward pass
+    of the model; outputs are exactly those of decoding without speculation.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 4
+    # No proposals in a step with more decoding sequences than this: a large batch is
+    # compute bound and verifying drafts costs more than it saves (None: CPU 4, GPU 32).
+    disable_by_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            hint = (" (a draft model is not supported yet)" if self.method == "draft_model"
+                    else "")
+            raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {self.method!r}{hint}")
+        _check_positive("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
+        _check_positive("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
+        _check_positive("speculative_config.prompt_lookup_max", self.prompt_lookup_max)
+        _check_positive("speculative_config.disable_by_batch_size", self.disable_by_batch_size,
+                        allow_none=True)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) "
+                             f"is larger than prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; known: "
+                             f"{sorted(known)}")
+        if "method" not in value or "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs 'method' and 'num_speculative_tokens'")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

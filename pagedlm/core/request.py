@@ -86,6 +86,9 @@ class Request:
         self.first_token_time: float | None = None
         # Leading tokens of all_token_ids the workers hold (0: they do not hold the request).
         self.num_synced_tokens = 0
+        # Speculative decoding: tokens proposed to follow all_token_ids, verified at the
+        # next step that schedules this request as a decode (then cleared).
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_prompt_tokens(self) -> int:

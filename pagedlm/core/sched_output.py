@@ -89,6 +89,10 @@ class SchedulerOutput:
     fork_reqs: dict[str, list[NewRequestData]] = field(default_factory=dict)
     # Copy-on-write: copy block src to block dst in every layer before the forward pass.
     copy_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Speculative decoding: request id -> the draft tokens it verifies at this step. Its
+    # num_scheduled_tokens are 1 + len(drafts): its last token, then the drafts, whose
+    # K/V are written after it; the model samples at each of those positions.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # Prompt tokens computed by this step (for statistics; workers ignore it).
     num_prompt_tokens: int = 0
     # Structured outputs: the token bitmask of the constrained sequences that sample at

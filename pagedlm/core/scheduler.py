@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
@@ -36,6 +36,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
+        # update_from_output: request id -> tokens it got beyond one (accepted drafts).
+        self.num_extra_tokens: dict[str, int] = {}
         # Requests the workers hold that they must drop at the next step.
         self._finished_req_ids: list[str] = []
 
@@ -146,12 +148,25 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             assert num_new > 0, request
+            drafts = request.spec_token_ids
+            if drafts:
+                request.spec_token_ids = []
             if num_new > 1:  # a prompt chunk (or a recomputation): bounded next to decodes
                 num_new = min(num_new, prefill_budget)
                 if num_new == 0:
                     i += 1
                     continue
                 prefill_budget -= num_new
+            elif drafts:  # a decode verifying drafts: its last token, then the drafts
+                drafts = drafts[:self._max_drafts(request, budget)]
+                if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
+                    self.kv.cache_blocks(request, request.num_tokens)  # drafts are not hashed
+                    self._add_to_output(out, request, 1 + len(drafts))
+                    out.spec_token_ids[request.request_id] = drafts
+                    budget -= 1 + len(drafts)
+                    i += 1
+                    continue
+                # No room for them: decode plainly (the loop below may preempt for it).
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -207,6 +222,13 @@ class Scheduler:
             out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
         return out
 
+    def _max_drafts(self, request: Request, budget: int) -> int:
+        """Drafts worth verifying: within the step's token budget, the context and what
+        the request may still generate (a step emits at most drafts + 1 tokens)."""
+        return max(0, min(budget - 1,
+                          self.config.max_model_len - request.num_tokens,
+                          request.max_tokens - request.num_output_tokens - 1))
+
     def _prefill_budget(self) -> int:
         """The prompt tokens (chunks, recomputation) this step may compute. While any
         request decodes, at most `max_prefill_tokens_with_decodes`: a long prompt is then
@@ -261,6 +283,7 @@ class Scheduler:
         )
 
     def _preempt(self, request: Request) -> None:
+        request.spec_token_ids = []
         self._unsync(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
@@ -272,18 +295,30 @@ class Scheduler:
     # ----- after the model ran ----------------------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, int],
+        extra_token_ids: dict[str, list[int]] | None = None,
     ) -> list[Request]:
         """Advance progress, append sampled tokens, finish requests that hit a stop condition.
+        `extra_token_ids`: for requests that verified drafts, the accepted drafts after the
+        first token (the tokens they also got this step).
 
         Returns the requests whose state a user may want to see this step: every request
-        that got a new token, finished or not.
+        that got a new token, finished or not. `num_extra_tokens` then says, per request
+        id, how many tokens beyond one it got.
         """
+        extra_token_ids = extra_token_ids or {}
         updated = []
+        self.num_extra_tokens = {}
+        spec = out.spec_token_ids
         for request_id, num_new in out.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None or request.is_finished():
                 continue  # aborted while the step ran; its blocks are already back
+            if request_id in spec:
+                updated.append(self._accept(request, num_new, len(spec[request_id]),
+                                            sampled_token_ids[request_id],
+                                            extra_token_ids.get(request_id, ())))
+                continue
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prompt chunk: nothing sampled yet
@@ -292,6 +327,25 @@ class Scheduler:
                     updated.append(self._append_token(follower, sampled_token_ids[follower.request_id]))
             updated.append(self._append_token(request, sampled_token_ids[request_id]))
         return updated
+
+    def _accept(self, request: Request, num_new: int, num_drafts: int, token_id: int,
+                accepted: Sequence[int]) -> Request:
+        """A verified decode: the K/V of its last token and of the accepted drafts are now
+        in the cache; it gets the first sampled token and then one per accepted draft
+        (up to a stop), and gives back the blocks only rejected drafts used."""
+        request.num_computed_tokens += num_new - (num_drafts - len(accepted))
+        self._append_token(request, token_id)
+        appended = 0
+        for extra in accepted:
+            if request.is_finished():
+                break
+            self._append_token(request, extra)
+            appended += 1
+        if appended:
+            self.num_extra_tokens[request.request_id] = appended
+        if not request.is_finished():
+            self.kv.free_excess_blocks(request)
+        return request
 
     def _start_forks(self, leader: Request) -> list[Request]:
         """Fork the leader's pending samples that fit under max_num_seqs; the others become

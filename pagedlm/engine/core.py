@@ -32,6 +32,7 @@ from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.beam_search import BeamSearchDriver
 from pagedlm.engine.dashboard import DashboardSnapshot, sequence_row
+from pagedlm.engine.spec_decode import NgramProposer
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
 from pagedlm.outputs import BeamSearchOutput
@@ -46,6 +47,10 @@ logger = logging.getLogger(__name__)
 # the CPU figure is measured in benchmarks/results/engine_core/).
 DEFAULT_CPU_PREFILL_WITH_DECODES = 128
 DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
+# Speculative decoding stops in steps with more decoding sequences than this, by default
+# (SpeculativeConfig.disable_by_batch_size).
+DEFAULT_CPU_SPEC_MAX_BATCH = 4
+DEFAULT_GPU_SPEC_MAX_BATCH = 32
 
 
 def sequence_ids(request_id: str, num_seqs: int) -> list[str]:
@@ -174,6 +179,10 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
+        spec_config = args.speculative_config
+        self.proposer = None if spec_config is None else NgramProposer(
+            spec_config, DEFAULT_CPU_SPEC_MAX_BATCH if self.device.type == "cpu"
+            else DEFAULT_GPU_SPEC_MAX_BATCH)
 
         def load_tokenizer():  # structured outputs only; the frontend's if it is here
             from pagedlm.loader.model_loader import load_tokenizer_for
@@ -265,6 +274,8 @@ class EngineCore:
             for seq_id in seq_ids:
                 del self._request_of[seq_id]
                 self.structured.remove(seq_id)
+                if self.proposer is not None:
+                    self.proposer.forget(seq_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
 
     def finish_sequences(self, seq_ids: Iterable[str]) -> None:
@@ -276,6 +287,8 @@ class EngineCore:
 
     def _forget_sequence(self, seq_id: str) -> None:
         self.structured.remove(seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
         request_id = self._request_of.pop(seq_id, None)
         if request_id is None:
             return
@@ -315,7 +328,8 @@ class EngineCore:
             sched.grammar_bitmask.result()
         if result.failed:  # before update_from_output, which then skips them
             out.failed = self._fail_sequences(result.failed)
-        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids)
+        updated = self.scheduler.update_from_output(sched, result.sampled_token_ids,
+                                                    result.extra_token_ids)
         if len(self.structured):
             out.failed.update(self._advance_matchers(updated))
         self.last_step = StepRecord(sched, result, updated)
@@ -323,11 +337,23 @@ class EngineCore:
         out.scheduled_seq_ids = [r.req_id for r in sched.new_reqs if r.req_id in request_of]
         out.prompt_logprobs = result.prompt_logprobs
         logprobs = result.logprobs
+        num_extra = self.scheduler.num_extra_tokens
         for request in updated:
             seq_id = request.request_id
             if seq_id not in request_of:
                 continue  # a beam: the beam-search driver reports it
-            seq_out = SeqOutput(seq_id, request.output_token_ids[-1], logprobs.get(seq_id))
+            extra = num_extra.get(seq_id, 0)
+            if extra:  # accepted drafts: one output per token, in order
+                tokens = request.output_token_ids[-1 - extra:-1]
+                lps = result.extra_logprobs.get(seq_id)
+                first = request.output_token_ids[-1 - extra]
+                out.outputs.append(SeqOutput(seq_id, first, logprobs.get(seq_id)))
+                for j, token in enumerate(tokens[1:]):
+                    out.outputs.append(SeqOutput(seq_id, token, lps[j] if lps else None))
+                seq_out = SeqOutput(seq_id, request.output_token_ids[-1],
+                                    lps[extra - 1] if lps else None)
+            else:
+                seq_out = SeqOutput(seq_id, request.output_token_ids[-1], logprobs.get(seq_id))
             if request.is_finished():
                 seq_out.finish_reason = request.get_finish_reason()
                 seq_out.stop_reason = request.stop_reason
@@ -335,11 +361,15 @@ class EngineCore:
                 seq_out.grammar_done = seq_id in self._grammar_done
                 self._forget_sequence(seq_id)
             out.outputs.append(seq_out)
+        if self.proposer is not None:
+            if sched.spec_token_ids:
+                self.proposer.record(sched.spec_token_ids, result.extra_token_ids)
+            self._propose()
         if self.beam_search.has_groups():
             out.beam_results = self.beam_search.on_step(self.last_step)
         self._num_steps += 1
         self._num_prompt_tokens += sched.num_prompt_tokens
-        self._num_generation_tokens += len(updated)
+        self._num_generation_tokens += len(updated) + sum(num_extra.values())
         if self.args.record_kv_usage:
             self.kv_usage.append(KVUsageSample(
                 step=self._num_steps,
@@ -349,6 +379,15 @@ class EngineCore:
                 num_running=self.scheduler.num_running,
             ))
         return out
+
+    def _propose(self) -> None:
+        """Drafts for the sequences that decode at the next step and may speculate: not
+        beams (their tokens are chosen across the beam) and not grammar-constrained ones."""
+        request_of, structured = self._request_of, self.structured
+        decoding = [r for r in self.scheduler.running
+                    if r.num_tokens - r.num_computed_tokens == 1 and not r.paused
+                    and r.request_id in request_of and r.request_id not in structured]
+        self.proposer.propose(decoding)
 
     def _sampling_seq_ids(self, sched: SchedulerOutput) -> list[str]:
         """The sequences that sample a token at this step (a prompt's last chunk, a decode,
@@ -421,7 +460,16 @@ class EngineCore:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.proposer is None:
+            return {}
+        st = self.proposer.stats
+        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
+                    spec_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_accepted_per_pos=tuple(st.accepted_per_pos))
 
     def dashboard_snapshot(self) -> DashboardSnapshot:
         """Every block's state and every live sequence, for the live dashboard."""

@@ -22,6 +22,12 @@ class EngineStats:
     num_prompt_tokens: int = 0  # computed since start (recomputation included)
     num_generation_tokens: int = 0  # sampled since start
     num_steps: int = 0
+    # Speculative decoding, since start: verifications (a request's drafts in one step),
+    # draft tokens verified, drafts accepted, and drafts accepted at each draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
 
     @property
     def num_blocks_used(self) -> int:
@@ -30,6 +36,18 @@ class EngineStats:
     @property
     def kv_cache_usage(self) -> float:
         return self.num_blocks_used / self.num_blocks_total
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted over proposed draft tokens (0 without speculation)."""
+        return (self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+                if self.spec_num_draft_tokens else 0.0)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verifying request got per step: accepted drafts plus one."""
+        return (1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts
+                if self.spec_num_drafts else 0.0)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

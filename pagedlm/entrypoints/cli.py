@@ -57,6 +57,10 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="prompt tokens a step may compute while requests are decoding, so "
                         "no stream waits behind a whole long prompt (default: CPU 128, GPU "
                         "2048)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4}\' (also prompt_lookup_min, '
+                        'prompt_lookup_max, disable_by_batch_size); outputs are unchanged')
     g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -104,6 +108,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        speculative_config=args.speculative_config,
     )
 
 

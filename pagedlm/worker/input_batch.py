@@ -209,6 +209,14 @@ class InputBatch:
         self.eos_token_ids.extend([()] * (num_rows - old))
         self._free_rows = list(range(num_rows - 1, old - 1, -1)) + self._free_rows
 
+    def write_drafts(self, req_id: str, drafts: list[int]) -> None:
+        """Speculative decoding: a request's draft tokens, after its tokens (its length
+        does not change: the next step's delta overwrites them with what was accepted)."""
+        row = self.row_of[req_id]
+        start = int(self.num_tokens[row])
+        self._fit_tokens(start + len(drafts))
+        self.token_ids[row, start:start + len(drafts)] = drafts
+
     def _fit_tokens(self, num_tokens: int) -> None:
         self.token_ids = _widen(self.token_ids, num_tokens)
 
@@ -217,10 +225,16 @@ class InputBatch:
 
     # ----- what a step reads -----------------------------------------------------------------
 
-    def sampling_batch(self, rows: np.ndarray, device: torch.device) -> SamplingBatch:
+    def sampling_batch(self, rows: np.ndarray, device: torch.device,
+                       extra: np.ndarray | None = None) -> SamplingBatch:
         """The sampling tensors for batch rows `rows` (row indices of this batch, in the
         order of the logits rows), as `sampler.make_sampling_batch` builds them from
-        per-request states; that function is the reference this one is tested against."""
+        per-request states; that function is the reference this one is tested against.
+
+        `extra` (speculative decoding): per logits row, how many draft tokens (written
+        after the row's tokens in `token_ids`) count as already generated, so that the
+        row samples exactly as it would once they had been: its noise step, penalties
+        and min_tokens see them."""
         num_reqs = len(rows)
         uses = self._uses
         if uses["greedy"]:
@@ -229,7 +243,8 @@ class InputBatch:
             random_idx = np.arange(num_reqs)
         all_greedy = random_idx.size == 0
         all_random = not all_greedy and random_idx.size == num_reqs
-        num_output = self.num_tokens[rows] - self.num_prompt_tokens[rows]
+        num_tokens = self.num_tokens[rows] if extra is None else self.num_tokens[rows] + extra
+        num_output = num_tokens - self.num_prompt_tokens[rows]
 
         def up(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
@@ -260,8 +275,8 @@ class InputBatch:
         if rep is not None and (rep != 1.0).any():
             repetition_penalty = up(rep)
             positions = np.arange(self.token_ids.shape[1])
-            valid = (positions[None, :] < self.num_tokens[rows][:, None]) & (rep != 1.0)[:, None]
-            seen_mask = self._token_mask(rows, valid, device, counts=False)
+            valid = (positions[None, :] < num_tokens[:, None]) & (rep != 1.0)[:, None]
+            seen_mask = self._token_mask(rows, valid, num_tokens, device, counts=False)
 
         frequency_penalty = presence_penalty = output_counts = None
         if uses["penalties"]:
@@ -271,8 +286,8 @@ class InputBatch:
             frequency_penalty, presence_penalty = up(freq), up(pres)
             positions = np.arange(self.token_ids.shape[1])
             valid = ((positions[None, :] >= self.num_prompt_tokens[rows][:, None])
-                     & (positions[None, :] < self.num_tokens[rows][:, None]) & penalised[:, None])
-            output_counts = self._token_mask(rows, valid, device, counts=True)
+                     & (positions[None, :] < num_tokens[:, None]) & penalised[:, None])
+            output_counts = self._token_mask(rows, valid, num_tokens, device, counts=True)
 
         min_tokens_rows = min_tokens_ids = None
         short = np.flatnonzero(num_output < self.min_tokens[rows]) if uses["min_tokens"] else ()
@@ -321,11 +336,11 @@ class InputBatch:
             max_num_logprobs=max_num_logprobs,
         )
 
-    def _token_mask(self, rows: np.ndarray, valid: np.ndarray, device: torch.device,
-                    counts: bool) -> torch.Tensor:
+    def _token_mask(self, rows: np.ndarray, valid: np.ndarray, num_tokens: np.ndarray,
+                    device: torch.device, counts: bool) -> torch.Tensor:
         """[len(rows), vocab] counts (int32) or presence (bool) of the tokens of each row
         where `valid`."""
-        width = int(self.num_tokens[rows].max(initial=0))
+        width = int(num_tokens.max(initial=0))
         ids = np.where(valid[:, :width], self.token_ids[rows, :width], self.vocab_size)
         return scatter_token_mask(torch.from_numpy(np.ascontiguousarray(ids)).to(device),
                                   self.vocab_size, counts)

@@ -38,6 +38,10 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # Speculative decoding: request id -> its accepted drafts (the tokens it gets after
+    # the first, each the token sampled at its position), and their logprobs.
+    extra_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    extra_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # request id -> [(position of the predicted prompt token, its logprobs)]
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # request id -> why it could not be sampled (its own fault; the others were sampled)
@@ -58,6 +62,9 @@ class StepInputs:
     # Prompt-logprob rows: (request id, first position, token indices into the batch,
     # target prompt token ids)
     prompt_logprob_rows: list[tuple[str, int, np.ndarray, np.ndarray]]
+    # Speculative decoding: per sampled row, the drafts before its position (0.. k for a
+    # request verifying k drafts, which has k + 1 consecutive sampled rows); None: none.
+    sampled_extra: np.ndarray | None = None
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
@@ -137,10 +144,27 @@ class ModelRunner:
         """The step's tensors, gathered from the persistent batch (after `update`)."""
         batch = self.input_batch
         row_of = batch.row_of
+        spec = sched.spec_token_ids
+        for req_id, drafts in spec.items():
+            batch.write_drafts(req_id, drafts)
         req_ids = list(sched.num_scheduled_tokens)
         rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
         q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
         starts = batch.num_computed_tokens[rows]
+        drafts_before = group = None
+        if spec:
+            # A request verifying k drafts becomes k + 1 one-token rows, decodes like any
+            # other: its last token at position c, draft j at c + 1 + j, each row seeing
+            # the cache up to itself. Every row's K/V is written before attention reads,
+            # so this is causal attention over the drafts, through the decode kernels
+            # (the C++ decoder, CUDA graphs) instead of the prefill path.
+            k = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
+                            count=len(req_ids))
+            reps = k + 1
+            group = np.repeat(np.arange(len(req_ids)), reps)
+            drafts_before = np.arange(len(group)) - np.repeat(np.cumsum(reps) - reps, reps)
+            rows, starts = rows[group], starts[group] + drafts_before
+            q_lens = np.where(k[group] > 0, 1, q_lens[group])
         # Decodes first, longest context first (the attention backend buckets decodes by
         # length), then prefill chunks, each group in scheduling order (a stable sort).
         is_prefill = q_lens != 1
@@ -164,23 +188,38 @@ class ModelRunner:
             + positions % self.block_size
         )
 
-        # A request samples when the step reaches its last token.
-        samples = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        # A request samples when the step reaches its last token (each of the rows of a
+        # request verifying drafts samples: as if the drafts before it were generated).
         last_index = cu[1:] - 1
+        sampled_extra = None
+        if spec:
+            drafts_before, group = drafts_before[order], group[order]
+            samples = np.flatnonzero(seq_lens == batch.num_tokens[rows] + drafts_before)
+            # A verifying request's rows consecutive, in draft order (ModelRunner._verify).
+            samples = samples[np.lexsort((drafts_before[samples], group[samples]))]
+            sampled_extra = drafts_before[samples]
+        else:
+            samples = np.flatnonzero(seq_lens == batch.num_tokens[rows])
         if not sched.fork_reqs:
             sampled_rows = rows[samples]
             logits_indices = last_index[samples]
         else:
             sampled_list: list[int] = []
             index_list: list[int] = []
+            extra_list: list[int] = []
             for i in samples.tolist():
                 row = int(rows[i])
-                followers = sched.fork_reqs.get(batch.req_ids[row], ())
+                # Forks only follow a prompt's last chunk, never a verifying request.
+                followers = () if spec and drafts_before[i] else sched.fork_reqs.get(
+                    batch.req_ids[row], ())
                 for r in (row, *(row_of[f.req_id] for f in followers)):
                     sampled_list.append(r)
                     index_list.append(int(last_index[i]))
+                    extra_list.append(int(drafts_before[i]) if spec else 0)
             sampled_rows = np.array(sampled_list, dtype=np.int64)
             logits_indices = np.array(index_list, dtype=np.int64)
+            if spec:
+                sampled_extra = np.array(extra_list, dtype=np.int64)
         sampled_req_ids = [batch.req_ids[r] for r in sampled_rows.tolist()]
 
         prompt_rows = []
@@ -218,6 +257,7 @@ class ModelRunner:
             sampled_rows=sampled_rows,
             sampled_req_ids=sampled_req_ids,
             prompt_logprob_rows=prompt_rows,
+            sampled_extra=sampled_extra,
         )
 
     # ----- one step ---------------------------------------------------------------------
@@ -248,23 +288,52 @@ class ModelRunner:
         if sched.grammar_bitmask is not None:
             self._apply_grammar(logits, req_ids, sched.grammar_bitmask)
         try:
-            batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device)
+            batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device,
+                                                    inputs.sampled_extra)
             rows = _sampled_lists(self.sampler(logits, batch))
         except Exception:
             logger.exception("sampling the batch failed: sampling each request apart")
             rows = self._sample_apart(logits, inputs, out)
         token_ids, lps, ranks, top_ids, top_lps = rows
-        out.sampled_token_ids = dict(zip(req_ids, token_ids))
+        logprobs: list[TokenLogprobs | None] | None = None
         if lps is not None:
             num_logprobs = self.input_batch.num_logprobs[inputs.sampled_rows].tolist()
-            for i, req_id in enumerate(req_ids):
-                num_top = num_logprobs[i]
-                if num_top < 0 or lps[i] is None:
-                    continue
-                out.logprobs[req_id] = TokenLogprobs(
-                    token_ids[i], lps[i], ranks[i], top_ids[i][:num_top], top_lps[i][:num_top]
-                )
+            logprobs = [None if num_logprobs[i] < 0 or lps[i] is None else TokenLogprobs(
+                token_ids[i], lps[i], ranks[i], top_ids[i][:num_logprobs[i]],
+                top_lps[i][:num_logprobs[i]]) for i in range(len(req_ids))]
+        if sched.spec_token_ids:
+            self._verify(sched.spec_token_ids, req_ids, token_ids, logprobs, out)
+            return out
+        out.sampled_token_ids = dict(zip(req_ids, token_ids))
+        if logprobs is not None:
+            out.logprobs = {r: lp for r, lp in zip(req_ids, logprobs) if lp is not None}
         return out
+
+    @staticmethod
+    def _verify(spec: dict[str, list[int]], req_ids: list[str], token_ids: list[int],
+                logprobs: list[TokenLogprobs | None] | None, out: ModelRunnerOutput) -> None:
+        """Accept drafts. A request verifying k drafts has k + 1 consecutive rows, row j
+        sampled as if drafts 0..j-1 had been generated (its own noise step, penalties).
+        Draft j is accepted while the token sampled at its position equals it: the output
+        is then exactly the tokens decoding one by one would have sampled (for a proposal
+        that is one token, this is Leviathan et al.'s rejection rule: accepted with
+        probability p(draft), else a token drawn from p without the draft)."""
+        i = 0
+        while i < len(req_ids):
+            req_id = req_ids[i]
+            drafts = spec.get(req_id, ())
+            n = len(drafts)
+            out.sampled_token_ids[req_id] = token_ids[i]
+            accepted = 0
+            while accepted < n and token_ids[i + accepted] == drafts[accepted]:
+                accepted += 1
+            if accepted:
+                out.extra_token_ids[req_id] = token_ids[i + 1:i + 1 + accepted]
+            if logprobs is not None and logprobs[i] is not None:
+                out.logprobs[req_id] = logprobs[i]
+                if accepted:
+                    out.extra_logprobs[req_id] = logprobs[i + 1:i + 1 + accepted]
+            i += n + 1
 
     @staticmethod
     def _apply_grammar(logits: torch.Tensor, req_ids: list[str], pending) -> None:
@@ -284,8 +353,10 @@ class ModelRunner:
         token_ids, lps, ranks, top_ids, top_lps = [], [], [], [], []
         for i, req_id in enumerate(inputs.sampled_req_ids):
             try:
+                extra = (None if inputs.sampled_extra is None
+                         else inputs.sampled_extra[i:i + 1])
                 batch = self.input_batch.sampling_batch(inputs.sampled_rows[i:i + 1],
-                                                        logits.device)
+                                                        logits.device, extra)
                 row = _sampled_lists(self.sampler(logits[i:i + 1], batch))
             except Exception as e:
                 logger.exception("sampling request %s failed", req_id)

@@ -78,6 +78,19 @@ class _EngineCollector(Collector):
                     stats.num_tokens_held_unshared)
         yield counter("kv_block_copies", "Copy-on-write block copies since start.",
                       stats.num_block_copies)
+        # Speculative decoding, with vLLM's names (zero when it is off).
+        yield counter("spec_decode_num_drafts", "Speculative verifications: a request's drafts "
+                      "checked in one step.", stats.spec_num_drafts)
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                      stats.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      stats.spec_num_accepted_tokens)
+        per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted at each draft position.",
+                                      labels=["model_name", "position"])
+        for position, count in enumerate(stats.spec_accepted_per_pos):
+            per_pos.add_metric([self.model_name, str(position)], count)
+        yield per_pos
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], {"num_blocks": str(stats.num_blocks_total),
                              "block_size": str(stats.block_size)})

@@ -1,0 +1,128 @@
+"""Speculative decoding, the engine core's side: proposing drafts and counting what the
+model accepted. (The scheduler gives a request with drafts 1 + k query tokens; the model
+runner samples at each of them and accepts the drafts its samples agree with; the
+scheduler then appends the accepted tokens and frees the blocks rejected drafts used.)
+
+    step:  schedule (drafts verified)  ->  model  ->  update_from_output
+           -> record(accepted per request)  ->  propose(next drafts)
+
+Proposer "ngram" (prompt lookup): the last n tokens of a sequence, n from
+prompt_lookup_max down to prompt_lookup_min, are looked up earlier in the sequence (its
+prompt and its output); the tokens that followed their most recent earlier occurrence are
+the drafts. Each sequence keeps an index of its n-grams, grown as tokens arrive: a lookup
+costs O(1), whatever the context length.
+
+Backing off, so that speculation never costs more than it saves:
+  * per sequence, the number of drafts adapts to what was accepted: all accepted, one
+    more next time (up to num_speculative_tokens); none, one fewer; at zero the sequence
+    rests for a while (longer each time) before it tries one draft again;
+  * per step, no drafts at all while more sequences decode than `disable_by_batch_size`:
+    a large batch is compute bound and the verification rows would cost real time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedlm.config import SpeculativeConfig
+from pagedlm.core.request import Request
+
+REST_STEPS = 8  # a sequence whose drafts all failed first rests this many steps
+MAX_REST_STEPS = 256
+
+
+@dataclass
+class SpecStats:
+    """Counters since start, named after vLLM's spec_decode metrics."""
+
+    num_drafts: int = 0  # verifications (a request with drafts, in one step)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at position i
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step produced on average: accepted drafts plus one."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+class _SeqState:
+    __slots__ = ("index", "indexed", "num_drafts", "rest", "rest_length")
+
+    def __init__(self, num_drafts: int) -> None:
+        self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position after its last end
+        self.indexed = 0  # n-grams ending before this position are in the index
+        self.num_drafts = num_drafts
+        self.rest = 0
+        self.rest_length = REST_STEPS
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+        self.max_batch = config.disable_by_batch_size or default_max_batch
+        self.stats = SpecStats(accepted_per_pos=[0] * self.k)
+        self._seqs: dict[str, _SeqState] = {}
+
+    def forget(self, seq_id: str) -> None:
+        self._seqs.pop(seq_id, None)
+
+    def record(self, spec: dict[str, list[int]], accepted: dict[str, list[int]]) -> None:
+        """The verifications of a step: how many of each request's drafts were accepted."""
+        stats = self.stats
+        for seq_id, drafts in spec.items():
+            n = len(accepted.get(seq_id, ()))
+            stats.num_drafts += 1
+            stats.num_draft_tokens += len(drafts)
+            stats.num_accepted_tokens += n
+            for pos in range(n):
+                stats.accepted_per_pos[pos] += 1
+            state = self._seqs.get(seq_id)
+            if state is None:
+                continue
+            if n == len(drafts):
+                state.num_drafts = min(self.k, state.num_drafts + 1)
+                state.rest_length = REST_STEPS
+            elif n == 0:
+                state.num_drafts -= 1
+                if state.num_drafts == 0:
+                    state.rest = state.rest_length
+                    state.rest_length = min(MAX_REST_STEPS, 2 * state.rest_length)
+
+    def propose(self, decoding: list[Request]) -> None:
+        """Set `spec_token_ids` of the given decoding sequences (those that may speculate)."""
+        if len(decoding) > self.max_batch:
+            return
+        for request in decoding:
+            state = self._seqs.get(request.request_id)
+            if state is None:
+                state = self._seqs[request.request_id] = _SeqState(self.k)
+            if state.num_drafts == 0:
+                if state.rest > 0:
+                    state.rest -= 1
+                    continue
+                state.num_drafts = 1
+            drafts = self._lookup(state, request.all_token_ids, state.num_drafts)
+            if drafts:
+                request.spec_token_ids = drafts
+
+    def _lookup(self, state: _SeqState, tokens: list[int], k: int) -> list[int]:
+        length = len(tokens)
+        index = state.index
+        n_min, n_max = self.n_min, self.n_max
+        # Index the n-grams that end before the last token (the suffix must be found
+        # earlier, not at its own place); the most recent occurrence wins.
+        for end in range(state.indexed, length - 1):
+            for n in range(n_min, min(n_max, end + 1) + 1):
+                index[tuple(tokens[end + 1 - n:end + 1])] = end + 1
+        state.indexed = max(state.indexed, length - 1)
+        for n in range(min(n_max, length), n_min - 1, -1):
+            after = index.get(tuple(tokens[length - n:]))
+            if after is not None:
+                return tokens[after:after + k]
+        return []
