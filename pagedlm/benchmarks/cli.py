@@ -138,7 +138,7 @@ def add_bench_parser(subparsers: Any) -> None:
     from pagedlm.entrypoints.cli import add_engine_args
 
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, "
-                                                "kv-waste, structured, plot")
+                                                "kv-waste, structured, spec-decode, plot")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     tp = sub.add_parser("throughput", help="offline throughput: requests/s and tokens/s")
@@ -250,6 +250,14 @@ def add_bench_parser(subparsers: Any) -> None:
                          "the fill-time percentiles")
     so.add_argument("--output-json", default=None, help="write the result here")
     so.set_defaults(func=_cmd("structured"))
+
+    sd = sub.add_parser("spec-decode", help="speculative decoding against the same engine "
+                                            "without it: batch-1 latency and throughput")
+    add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 4 drafts)
+    from pagedlm.benchmarks.spec_decode import add_arguments
+
+    add_arguments(sd)
+    sd.set_defaults(func=_cmd("spec_decode"))
 
     plot = sub.add_parser("plot", help="PNG charts from result JSONs")
     plot.add_argument("kind", choices=["throughput", "latency", "kv-usage"],

