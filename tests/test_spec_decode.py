@@ -326,3 +326,44 @@ def test_prometheus_names():
             ' 2.0') in text
     assert Engine.stats.spec_acceptance_rate == 7 / 20
     assert Engine.stats.spec_mean_acceptance_length == 1 + 7 / 5
+
+
+# ----- the benchmark -----------------------------------------------------------------------
+
+
+def test_repeating_workload_selection():
+    from pagedlm.benchmarks.spec_decode import repeat_share, sample_repeating
+
+    text = " ".join(f"word{i}" for i in range(80))
+    assert repeat_share(text, text) == 1.0
+    assert repeat_share(text, "something else entirely, in other words and terms, here") == 0.0
+
+    class Tok:
+        def __call__(self, s):
+            return type("E", (), {"input_ids": s.split()})()
+
+    records = [{"conversations": [{"value": text}, {"value": "Fixed: " + text}]},
+               {"conversations": [{"value": text}, {"value": " ".join(["other"] * 60)}]}]
+    picked = sample_repeating(Tok(), 1, 0, 50, records)
+    assert len(picked) == 1 and picked[0].output_len == 50  # capped
+    with pytest.raises(ValueError, match="only 1 repeating"):
+        sample_repeating(Tok(), 2, 0, 50, records)
+
+
+@requires_smollm2
+def test_bench_spec_decode_runs(tmp_path):
+    import json
+
+    from pagedlm.entrypoints.cli import main
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "spec-decode", "--num-prompts", "1", "--throughput-prompts", "2",
+                 "--max-output-len", "8", "--kv-cache-memory", "64M",
+                 "--output-json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    for workload in ("repeat", "sharegpt"):
+        result = report["batch1"][workload]
+        assert result["off"]["output_tokens"] == result["on"]["output_tokens"] > 0
+        assert result["latency_ratio_off_over_on"] > 0
+    assert report["throughput"]["ratio_on_over_off"] > 0
+    assert report["speculative_config"]["method"] == "ngram"
