@@ -113,7 +113,7 @@ class EngineArgs:
                            SpeculativeConfig.parse(self.speculative_config))
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,15 @@ class SpeculativeConfig:
 
     ngram (prompt lookup): the last n tokens (n from prompt_lookup_max down to
     prompt_lookup_min) are looked up earlier in the sequence; the tokens that followed
-    them there are the proposal. Every proposal of a step is verified in one forward pass
-    of the model; outputs are exactly those of decoding without speculation.
+    them there are the proposal. draft_model: a smaller model with the same vocabulary
+    (`model`: its directory or .gguf file) proposes greedily, with a paged KV cache of its
+    own. Every proposal of a step is verified in one forward pass of the model; outputs
+    are exactly those of decoding without speculation.
     """
 
     method: str
     num_speculative_tokens: int
+    model: str | None = None  # draft_model: the draft's checkpoint
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # No proposals in a step with more decoding sequences than this: a large batch is
@@ -136,10 +139,11 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            hint = (" (a draft model is not supported yet)" if self.method == "draft_model"
-                    else "")
             raise ValueError(f"speculative_config.method must be one of {SPECULATIVE_METHODS}, "
-                             f"got {self.method!r}{hint}")
+                             f"got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config.model (the draft's checkpoint) is required "
+                             "with method 'draft_model' and only with it")
         _check_positive("speculative_config.num_speculative_tokens", self.num_speculative_tokens)
         _check_positive("speculative_config.prompt_lookup_min", self.prompt_lookup_min)
         _check_positive("speculative_config.prompt_lookup_max", self.prompt_lookup_max)

@@ -34,6 +34,30 @@ def peaked_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def draft_dir(peaked_dir, tmp_path_factory):
+    """The peaked model with noise on its weights: a draft that agrees with it often,
+    not always."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(peaked_dir)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.25 * p.std())
+    path = tmp_path_factory.mktemp("tiny-draft")
+    model.save_pretrained(path, safe_serialization=True)
+    return str(path)
+
+
+def _spec_config(method: str, draft: str | None = None) -> dict:
+    if method == "ngram":
+        return NGRAM
+    return {"method": "draft_model", "model": draft, "num_speculative_tokens": 3,
+            "disable_by_batch_size": 64}
+
+
+@pytest.fixture(scope="module")
 def sliding_dir(tmp_path_factory):
     from transformers import MistralConfig, MistralForCausalLM
 
@@ -120,6 +144,13 @@ def test_back_off_per_request_and_per_batch():
     assert a.spec_token_ids == b.spec_token_ids == []
 
 
+def test_draft_model_must_share_the_vocabulary(peaked_dir, tiny_llama_dir):
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens, the model 32"):
+        LLM(peaked_dir, skip_tokenizer_init=True, kv_cache_memory=4 << 20,
+            speculative_config={"method": "draft_model", "model": tiny_llama_dir,
+                                "num_speculative_tokens": 2})
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 0})
@@ -129,13 +160,16 @@ def test_config_errors_name_the_field():
         EngineArgs(speculative_config={**NGRAM, "prompt_lookup_min": 5, "prompt_lookup_max": 2})
     with pytest.raises(ValueError, match="method"):
         EngineArgs(speculative_config='{"method": "eagle", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
 
 
 # ----- exactness ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
 @pytest.mark.parametrize("case", ["batch", "chunked_prefill", "preemption", "prefix_hits"])
-def test_greedy_outputs_identical(peaked_dir, case):
+def test_greedy_outputs_identical(peaked_dir, draft_dir, case, method):
     prompts = _prompts(32, 6)
     kw: dict = dict(kv_cache_memory=4 << 20, max_model_len=256)
     if case == "chunked_prefill":
@@ -146,7 +180,8 @@ def test_greedy_outputs_identical(peaked_dir, case):
         prompts = prompts[:3] + [p[:32] + [9, 9] for p in prompts[:3]]
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     plain, _, plain_stats = _generate(peaked_dir, prompts, params, **kw)
-    spec, _, stats = _generate(peaked_dir, prompts, params, speculative_config=NGRAM, **kw)
+    spec, _, stats = _generate(peaked_dir, prompts, params,
+                               speculative_config=_spec_config(method, draft_dir), **kw)
     assert spec == plain
     assert stats.spec_num_accepted_tokens > 0
     assert stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # rejections too
@@ -170,7 +205,8 @@ def test_greedy_identical_across_architectures(tiny_models, sliding_dir, arch):
     assert stats.spec_num_draft_tokens > 0
 
 
-def test_seeded_sampling_penalties_and_logprobs_identical(peaked_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_sampling_penalties_and_logprobs_identical(peaked_dir, draft_dir, method):
     """Each position samples with the noise step, penalties and min_tokens it would have
     had without speculation: the same tokens and the same logprobs."""
     prompts = _prompts(32, 5, seed=2)
@@ -180,7 +216,8 @@ def test_seeded_sampling_penalties_and_logprobs_identical(peaked_dir):
               for i in range(len(prompts))]
     kw = dict(kv_cache_memory=4 << 20, max_model_len=256)
     plain, plain_lps, _ = _generate(peaked_dir, prompts, params, **kw)
-    spec, spec_lps, stats = _generate(peaked_dir, prompts, params, speculative_config=NGRAM, **kw)
+    spec, spec_lps, stats = _generate(peaked_dir, prompts, params,
+                                      speculative_config=_spec_config(method, draft_dir), **kw)
     assert spec == plain
     assert stats.spec_num_accepted_tokens > 0
     for a, b in zip(plain_lps, spec_lps):
@@ -211,11 +248,13 @@ def test_stops_max_tokens_and_n(peaked_dir):
     assert llm_spec.stats().spec_num_accepted_tokens > 0
 
 
-def test_blocks_exact_after_every_step(peaked_dir):
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_blocks_exact_after_every_step(peaked_dir, draft_dir, method):
     """Rejected drafts give their blocks back: the pool's counts are exact after every
-    step, under preemption, and every block is free at the end."""
+    step, under preemption, and every block is free at the end (the draft model's pool
+    too: it holds no block beyond its mirrors' tokens)."""
     args = EngineArgs(model=peaked_dir, skip_tokenizer_init=True, kv_cache_memory=160 << 10,
-                      max_model_len=256, speculative_config=NGRAM)
+                      max_model_len=256, speculative_config=_spec_config(method, draft_dir))
     core = EngineCore(args, resolve_model_source(peaked_dir), eos_token_ids=())
     try:
         for i, p in enumerate(_prompts(32, 6, seed=4)):
@@ -233,7 +272,13 @@ def test_blocks_exact_after_every_step(peaked_dir):
             for r in sched.running:  # no block beyond the request's tokens is held
                 held = len(kv.req_to_blocks.get(r.request_id, ()))
                 assert held <= kv.num_blocks_needed(r.num_tokens + 1 + 4), (r, held)
+            if method == "draft_model":
+                draft = core.proposer
+                draft.kv.check_invariants([m.request for m in draft._mirrors.values()])
+                assert set(draft._mirrors) <= {r.request_id for r in live}
         assert kv.num_free_blocks == kv.num_blocks
+        if method == "draft_model":
+            assert core.proposer.kv.num_free_blocks == core.proposer.kv.num_blocks
         stats = core.get_stats()
         assert stats.spec_num_accepted_tokens > 0 and stats.num_preemptions > 0
         assert stats.num_generation_tokens == 6 * 70 and steps < 6 * 70
@@ -288,7 +333,8 @@ def test_sampled_distribution_is_the_targets(peaked_dir):
 
 
 @requires_smollm2
-def test_smollm2_greedy_identical():
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_smollm2_greedy_identical(method):
     text = ("Copy this list exactly, twice:\n- apples, pears, plums\n- bread, butter, jam\n"
             "- tea, coffee, milk\n")
     params = SamplingParams(temperature=0, max_tokens=48)
@@ -297,7 +343,10 @@ def test_smollm2_greedy_identical():
     prompts = [text, "The capital of France is"]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     del llm
-    llm = LLM(smollm2_path(), speculative_config=NGRAM, **kw)
+    # The draft: SmolLM2 itself (no smaller model with its tokenizer is at hand), run by
+    # the draft's own worker and KV cache.
+    config = _spec_config(method, smollm2_path())
+    llm = LLM(smollm2_path(), speculative_config=config, **kw)
     spec = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert spec == plain
     assert llm.stats().spec_num_accepted_tokens > 0

@@ -32,7 +32,7 @@ from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.beam_search import BeamSearchDriver
 from pagedlm.engine.dashboard import DashboardSnapshot, sequence_row
-from pagedlm.engine.spec_decode import NgramProposer
+from pagedlm.engine.spec_decode import NgramProposer, Proposer
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
 from pagedlm.outputs import BeamSearchOutput
@@ -179,10 +179,7 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
-        spec_config = args.speculative_config
-        self.proposer = None if spec_config is None else NgramProposer(
-            spec_config, DEFAULT_CPU_SPEC_MAX_BATCH if self.device.type == "cpu"
-            else DEFAULT_GPU_SPEC_MAX_BATCH)
+        self.proposer = self._make_proposer(args, num_blocks, spec.block_size)
 
         def load_tokenizer():  # structured outputs only; the frontend's if it is here
             from pagedlm.loader.model_loader import load_tokenizer_for
@@ -208,6 +205,19 @@ class EngineCore:
         self._step_seconds = 0.0
         self._snapshot_seconds = 0.0
         self._num_snapshots = 0
+
+    def _make_proposer(self, args: EngineArgs, num_blocks: int, block_size: int) -> Proposer | None:
+        config = args.speculative_config
+        if config is None:
+            return None
+        max_batch = (DEFAULT_CPU_SPEC_MAX_BATCH if self.device.type == "cpu"
+                     else DEFAULT_GPU_SPEC_MAX_BATCH)
+        if config.method == "ngram":
+            return NgramProposer(config, max_batch)
+        from pagedlm.engine.draft_model import DraftModelProposer  # loads a second model
+
+        return DraftModelProposer(config, max_batch, args, self.hf_config.vocab_size, num_blocks,
+                                  block_size, args.max_num_seqs, self.max_model_len)
 
     def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
         """The context served: max_model_len if the cache can hold it, else the model's

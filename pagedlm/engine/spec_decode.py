@@ -61,10 +61,12 @@ class _SeqState:
         self.rest_length = REST_STEPS
 
 
-class NgramProposer:
+class Proposer:
+    """What every proposer shares: the counters, the back-off, forgetting sequences.
+    Subclasses draft in `_draft(requests, counts)`, setting `spec_token_ids`."""
+
     def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
         self.k = config.num_speculative_tokens
-        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
         self.max_batch = config.disable_by_batch_size or default_max_batch
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
         self._seqs: dict[str, _SeqState] = {}
@@ -98,6 +100,7 @@ class NgramProposer:
         """Set `spec_token_ids` of the given decoding sequences (those that may speculate)."""
         if len(decoding) > self.max_batch:
             return
+        requests, counts = [], []
         for request in decoding:
             state = self._seqs.get(request.request_id)
             if state is None:
@@ -107,7 +110,26 @@ class NgramProposer:
                     state.rest -= 1
                     continue
                 state.num_drafts = 1
-            drafts = self._lookup(state, request.all_token_ids, state.num_drafts)
+            requests.append(request)
+            counts.append(state.num_drafts)
+        if requests:
+            self._draft(requests, counts)
+
+    def _draft(self, requests: list[Request], counts: list[int]) -> None:
+        raise NotImplementedError
+
+    def shutdown(self) -> None:
+        pass
+
+
+class NgramProposer(Proposer):
+    def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
+        super().__init__(config, default_max_batch)
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
+
+    def _draft(self, requests: list[Request], counts: list[int]) -> None:
+        for request, k in zip(requests, counts):
+            drafts = self._lookup(self._seqs[request.request_id], request.all_token_ids, k)
             if drafts:
                 request.spec_token_ids = drafts
 
