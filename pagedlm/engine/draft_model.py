@@ -26,7 +26,7 @@ from pagedlm.config import EngineArgs, SpeculativeConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
-from pagedlm.engine.spec_decode import Proposer
+from pagedlm.engine.spec_decode import REST_STEPS, Proposer
 from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.sampling_params import SamplingParams
 
@@ -45,6 +45,10 @@ class _Mirror:
 
 
 class DraftModelProposer(Proposer):
+    # Each try after a rest costs the draft a catch-up forward over what it missed: a
+    # sequence whose drafts keep failing gives up after two rests.
+    max_rest_steps = 2 * REST_STEPS
+    start_with_all = False  # one draft first: k draft forwards only once they pay off
     def __init__(self, config: SpeculativeConfig, default_max_batch: int,
                  target_args: EngineArgs, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int) -> None:

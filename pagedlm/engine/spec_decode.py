@@ -15,7 +15,9 @@ costs O(1), whatever the context length.
 Backing off, so that speculation never costs more than it saves:
   * per sequence, the number of drafts adapts to what was accepted: all accepted, one
     more next time (up to num_speculative_tokens); none, one fewer; at zero the sequence
-    rests for a while (longer each time) before it tries one draft again;
+    rests for a while (8 steps, doubling each time) before it tries one draft again, and
+    gives up for good rather than rest longer than 256 steps (16 for a draft model, whose
+    every try costs it a catch-up forward over what it missed);
   * per step, no drafts at all while more sequences decode than `disable_by_batch_size`:
     a large batch is compute bound and the verification rows would cost real time.
 """
@@ -29,6 +31,7 @@ from pagedlm.core.request import Request
 
 REST_STEPS = 8  # a sequence whose drafts all failed first rests this many steps
 MAX_REST_STEPS = 256
+_FOREVER = 1 << 62
 
 
 @dataclass
@@ -65,6 +68,10 @@ class Proposer:
     """What every proposer shares: the counters, the back-off, forgetting sequences.
     Subclasses draft in `_draft(requests, counts)`, setting `spec_token_ids`."""
 
+    # Rests longer than this are not taken: the sequence stops speculating for good.
+    max_rest_steps = MAX_REST_STEPS
+    start_with_all = True  # a new sequence's first drafts: all k (else one, growing)
+
     def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size or default_max_batch
@@ -93,8 +100,11 @@ class Proposer:
             elif n == 0:
                 state.num_drafts -= 1
                 if state.num_drafts == 0:
+                    if state.rest_length > self.max_rest_steps:
+                        state.rest = _FOREVER  # it never pays off for this sequence
+                        continue
                     state.rest = state.rest_length
-                    state.rest_length = min(MAX_REST_STEPS, 2 * state.rest_length)
+                    state.rest_length *= 2
 
     def propose(self, decoding: list[Request]) -> None:
         """Set `spec_token_ids` of the given decoding sequences (those that may speculate)."""
@@ -104,7 +114,8 @@ class Proposer:
         for request in decoding:
             state = self._seqs.get(request.request_id)
             if state is None:
-                state = self._seqs[request.request_id] = _SeqState(self.k)
+                state = self._seqs[request.request_id] = _SeqState(
+                    self.k if self.start_with_all else 1)
             if state.num_drafts == 0:
                 if state.rest > 0:
                     state.rest -= 1
