@@ -23,7 +23,7 @@ from pagedlm.core.block_states import (
     block_state_of,
     block_states,
 )
-from pagedlm.engine.core import CoreRequest, EngineCore, sequence_ids
+from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_client import (
     AddCommand,
     CoreMessage,
@@ -31,6 +31,7 @@ from pagedlm.engine.core_client import (
     ShutdownCommand,
     run_core_loop,
 )
+from pagedlm.engine.core_io import CoreRequest, sequence_ids
 from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.sampling_params import SamplingParams
 

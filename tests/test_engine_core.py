@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core import CoreRequest, EngineCore, sequence_ids
+from pagedlm.engine.core import EngineCore
+from pagedlm.engine.core_io import CoreRequest, sequence_ids
 from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.sampling_params import SamplingParams
 

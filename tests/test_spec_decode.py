@@ -13,7 +13,8 @@ import pytest
 from pagedlm import LLM, SamplingParams
 from pagedlm.config import EngineArgs, SpeculativeConfig
 from pagedlm.core.request import Request
-from pagedlm.engine.core import CoreRequest, EngineCore
+from pagedlm.engine.core import EngineCore
+from pagedlm.engine.core_io import CoreRequest
 from pagedlm.engine.spec_decode import REST_STEPS, NgramProposer
 from pagedlm.engine.stats import EngineStats
 from pagedlm.loader.model_loader import resolve_model_source

@@ -16,29 +16,31 @@ which sequences are still live for each request, so an abort by user id reaches 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-
-import numpy as np
+from dataclasses import dataclass
 
 from pagedlm.config import EngineArgs, SchedulerConfig
-from pagedlm.core.block_states import block_states
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.beam_search import BeamSearchDriver
-from pagedlm.engine.dashboard import DashboardSnapshot, sequence_row
+from pagedlm.engine.core_io import (
+    CoreBeamRequest,
+    CoreInfo,
+    CoreOutputs,
+    CoreRequest,
+    SeqOutput,
+    sequence_ids,
+)
+from pagedlm.engine.dashboard import DashboardSnapshot, build_snapshot
 from pagedlm.engine.spec_decode import NgramProposer, Proposer
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
-from pagedlm.outputs import BeamSearchOutput
-from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 from pagedlm.structured import StructuredOutputManager
-from pagedlm.worker.model_runner import ModelRunnerOutput, TokenLogprobs
+from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import model_max_len
 
 logger = logging.getLogger(__name__)
@@ -51,76 +53,6 @@ DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
 # (SpeculativeConfig.disable_by_batch_size).
 DEFAULT_CPU_SPEC_MAX_BATCH = 4
 DEFAULT_GPU_SPEC_MAX_BATCH = 32
-
-
-def sequence_ids(request_id: str, num_seqs: int) -> list[str]:
-    """The scheduler's ids for the samples of a user request."""
-    return [request_id] if num_seqs == 1 else [f"{i}_{request_id}" for i in range(num_seqs)]
-
-
-@dataclass
-class CoreRequest:
-    """A validated user request, as token ids. `params` are the sequences' own parameters
-    (with best_of, logprobs are on so the frontend can rank the samples)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seeds: list[int]  # one per sequence, in sequence_ids() order
-    max_tokens: int
-    arrival_time: float
-    cache_salt: str | None = None
-
-
-@dataclass
-class CoreBeamRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: BeamSearchParams
-
-
-@dataclass
-class SeqOutput:
-    """One sequence's new token of this step."""
-
-    seq_id: str
-    token_id: int
-    logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" (a stop token), "length"
-    stop_reason: int | None = None  # the stop token id, if it was one of stop_token_ids
-    num_preemptions: int = 0
-    # "stop" because its structured-output grammar is complete: the last token is text
-    # (not a stop token to hide).
-    grammar_done: bool = False
-
-
-@dataclass
-class CoreOutputs:
-    """What one step of the core produced, for every request at once."""
-
-    outputs: list[SeqOutput] = field(default_factory=list)
-    # Sequences that reached the workers for the first time (queueing ends there).
-    scheduled_seq_ids: list[str] = field(default_factory=list)
-    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
-    beam_results: list[tuple[str, BeamSearchOutput]] = field(default_factory=list)
-    # User requests that failed on their own this step (all their sequences are ended and
-    # their blocks freed) -> what went wrong.
-    failed: dict[str, str] = field(default_factory=dict)
-
-    def __bool__(self) -> bool:
-        return bool(self.outputs or self.scheduled_seq_ids or self.prompt_logprobs
-                    or self.beam_results or self.failed)
-
-
-@dataclass(frozen=True)
-class CoreInfo:
-    """Facts about the loaded engine the frontend needs, constant after start-up."""
-
-    max_model_len: int
-    vocab_size: int
-    device: str
-    num_blocks: int
-    block_size: int
 
 
 @dataclass
@@ -481,32 +413,25 @@ class EngineCore:
                     spec_num_accepted_tokens=st.num_accepted_tokens,
                     spec_accepted_per_pos=tuple(st.accepted_per_pos))
 
+    @property
+    def request_of(self) -> dict[str, str]:
+        """Live sequence id -> its user request's id (read only: for reports)."""
+        return self._request_of
+
+    @property
+    def step_seconds(self) -> float:
+        """Time spent in step() since start."""
+        return self._step_seconds
+
     def dashboard_snapshot(self) -> DashboardSnapshot:
         """Every block's state and every live sequence, for the live dashboard."""
         start = time.perf_counter()
-        kv, sched = self.kv_cache_manager, self.scheduler
-        copies = list(self.last_step.scheduled.copy_blocks) if self.last_step else []
-        states = block_states(kv.block_pool, [dst for _, dst in copies])
-        refs = np.minimum(kv.block_pool.ref_counts, 255).astype(np.uint8)
-        now = time.monotonic()
-        beam_owner, beam_ids = self.beam_search.owner, self.beam_search.group_ids
-        rows = []
-        pending = [f for followers in sched.pending_forks.values() for f in followers]
-        for request in itertools.chain(sched.running, sched.waiting, pending):
-            seq_id = request.request_id
-            parent = self._request_of.get(seq_id)
-            kind = "sample"
-            if parent is None:
-                group = beam_owner.get(seq_id)
-                parent, kind = (beam_ids.get(id(group)) if group else None) or seq_id, "beam"
-            rows.append(sequence_row(request, parent, kind, kv.get_block_ids(seq_id), now))
+        snapshot = build_snapshot(self)
         self._snapshot_seconds += time.perf_counter() - start
         self._num_snapshots += 1
-        return DashboardSnapshot(
-            time=time.time(), step=self._num_steps, block_size=kv.block_size,
-            block_states=states.tobytes(), ref_counts=refs.tobytes(), sequences=rows,
-            stats=self.get_stats(), copies=copies, build_seconds_total=self._snapshot_seconds,
-            step_seconds_total=self._step_seconds, num_snapshots=self._num_snapshots)
+        snapshot.build_seconds_total = self._snapshot_seconds
+        snapshot.num_snapshots = self._num_snapshots
+        return snapshot
 
     def reset_prefix_cache(self) -> None:
         self.kv_cache_manager.block_pool.reset_prefix_cache()

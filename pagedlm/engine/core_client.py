@@ -30,7 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest, EngineCore
+from pagedlm.engine.core import EngineCore
+from pagedlm.engine.core_io import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest
 from pagedlm.engine.dashboard import SNAPSHOT_PERIOD_S, DashboardSnapshot
 from pagedlm.engine.stats import EngineStats
 

@@ -13,13 +13,20 @@ asks for one every SNAPSHOT_PERIOD_S while a dashboard is open, and once on dema
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import base64
+import itertools
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedlm.core.block_states import STATE_NAMES, state_counts
+from pagedlm.core.block_states import STATE_NAMES, block_states, state_counts
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from pagedlm.engine.core import EngineCore
 
 SNAPSHOT_PERIOD_S = 0.25  # while a dashboard is open and the engine is busy: 4 per second
 
@@ -62,9 +69,6 @@ class DashboardSnapshot:
 
     def to_json(self) -> dict:
         """For /dashboard/state and the event stream: bytes as base64."""
-        import base64
-        from dataclasses import asdict
-
         d = asdict(self)
         d["block_states"] = base64.b64encode(self.block_states).decode()
         d["ref_counts"] = base64.b64encode(self.ref_counts).decode()
@@ -95,3 +99,30 @@ def sequence_row(request: Request, request_id: str, kind: str, block_ids: list[i
                  else request.first_scheduled_time - arrival),
         ttft_s=None if request.first_token_time is None else request.first_token_time - arrival,
         preemptions=request.num_preemptions, block_ids=block_ids)
+
+
+def build_snapshot(core: EngineCore) -> DashboardSnapshot:
+    """The snapshot of an engine core (its own cost counters are filled in by the core)."""
+    kv, sched = core.kv_cache_manager, core.scheduler
+    copies = list(core.last_step.scheduled.copy_blocks) if core.last_step else []
+    states = block_states(kv.block_pool, [dst for _, dst in copies])
+    refs = np.minimum(kv.block_pool.ref_counts, 255).astype(np.uint8)
+    now = time.monotonic()
+    request_of = core.request_of
+    beam_owner, beam_ids = core.beam_search.owner, core.beam_search.group_ids
+    rows = []
+    pending = [f for followers in sched.pending_forks.values() for f in followers]
+    for request in itertools.chain(sched.running, sched.waiting, pending):
+        seq_id = request.request_id
+        parent = request_of.get(seq_id)
+        kind = "sample"
+        if parent is None:
+            group = beam_owner.get(seq_id)
+            parent, kind = (beam_ids.get(id(group)) if group else None) or seq_id, "beam"
+        rows.append(sequence_row(request, parent, kind, kv.get_block_ids(seq_id), now))
+    stats = core.get_stats()
+    return DashboardSnapshot(
+        time=time.time(), step=stats.num_steps, block_size=kv.block_size,
+        block_states=states.tobytes(), ref_counts=refs.tobytes(), sequences=rows, stats=stats,
+        copies=copies, build_seconds_total=0.0, step_seconds_total=core.step_seconds,
+        num_snapshots=0)

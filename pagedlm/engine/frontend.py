@@ -12,7 +12,13 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 
-from pagedlm.engine.core import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest, sequence_ids
+from pagedlm.engine.core_io import (
+    CoreBeamRequest,
+    CoreInfo,
+    CoreOutputs,
+    CoreRequest,
+    sequence_ids,
+)
 from pagedlm.engine.output_processor import OutputProcessor, RequestOutputKind
 from pagedlm.outputs import BeamSearchOutput, CompletionOutput, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams

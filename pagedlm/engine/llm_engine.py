@@ -12,7 +12,8 @@ import time
 from collections.abc import Sequence
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core import CoreBeamRequest, EngineCore, StepRecord, log_engine
+from pagedlm.engine.core import EngineCore, StepRecord, log_engine
+from pagedlm.engine.core_io import CoreBeamRequest
 from pagedlm.engine.frontend import EngineFrontend, eos_token_ids
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats

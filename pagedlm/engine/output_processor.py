@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from pagedlm.engine.core import CoreOutputs
+from pagedlm.engine.core_io import CoreOutputs
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 from pagedlm.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from pagedlm.sampling_params import SamplingParams
