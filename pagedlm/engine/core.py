@@ -36,9 +36,9 @@ from pagedlm.engine.core_io import (
     sequence_ids,
 )
 from pagedlm.engine.dashboard import DashboardSnapshot, build_snapshot
-from pagedlm.engine.spec_decode import NgramProposer, Proposer
+from pagedlm.engine.draft_model import make_proposer
 from pagedlm.engine.stats import EngineStats, KVUsageSample
-from pagedlm.executor import Executor, MultiprocExecutor, UniProcExecutor
+from pagedlm.executor import make_executor
 from pagedlm.structured import StructuredOutputManager
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import model_max_len
@@ -49,10 +49,6 @@ logger = logging.getLogger(__name__)
 # the CPU figure is measured in benchmarks/results/engine_core/).
 DEFAULT_CPU_PREFILL_WITH_DECODES = 128
 DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
-# Speculative decoding stops in steps with more decoding sequences than this, by default
-# (SpeculativeConfig.disable_by_batch_size).
-DEFAULT_CPU_SPEC_MAX_BATCH = 4
-DEFAULT_GPU_SPEC_MAX_BATCH = 32
 
 
 @dataclass
@@ -79,7 +75,7 @@ class EngineCore:
                 f"max_model_len ({args.max_model_len}) is larger than the model's context "
                 f"({max_len} tokens)"
             )
-        self.model_executor = _make_executor(args, source)
+        self.model_executor = make_executor(args, source)
         spec = self.model_executor.worker_spec()
         self.device, self.dtype = spec.device, spec.dtype
         self.spec = spec
@@ -111,7 +107,8 @@ class EngineCore:
             self.kv_cache_manager,
         )
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
-        self.proposer = self._make_proposer(args, num_blocks, spec.block_size)
+        self.proposer = make_proposer(args, self.device.type, self.hf_config.vocab_size,
+                                      num_blocks, spec.block_size, self.max_model_len)
 
         def load_tokenizer():  # structured outputs only; the frontend's if it is here
             from pagedlm.loader.model_loader import load_tokenizer_for
@@ -137,19 +134,6 @@ class EngineCore:
         self._step_seconds = 0.0
         self._snapshot_seconds = 0.0
         self._num_snapshots = 0
-
-    def _make_proposer(self, args: EngineArgs, num_blocks: int, block_size: int) -> Proposer | None:
-        config = args.speculative_config
-        if config is None:
-            return None
-        max_batch = (DEFAULT_CPU_SPEC_MAX_BATCH if self.device.type == "cpu"
-                     else DEFAULT_GPU_SPEC_MAX_BATCH)
-        if config.method == "ngram":
-            return NgramProposer(config, max_batch)
-        from pagedlm.engine.draft_model import DraftModelProposer  # loads a second model
-
-        return DraftModelProposer(config, max_batch, args, self.hf_config.vocab_size, num_blocks,
-                                  block_size, args.max_num_seqs, self.max_model_len)
 
     def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
         """The context served: max_model_len if the cache can hold it, else the model's
@@ -284,18 +268,13 @@ class EngineCore:
             seq_id = request.request_id
             if seq_id not in request_of:
                 continue  # a beam: the beam-search driver reports it
+            # One output per new token: accepted drafts (speculative decoding), then the last.
             extra = num_extra.get(seq_id, 0)
-            if extra:  # accepted drafts: one output per token, in order
-                tokens = request.output_token_ids[-1 - extra:-1]
-                lps = result.extra_logprobs.get(seq_id)
-                first = request.output_token_ids[-1 - extra]
-                out.outputs.append(SeqOutput(seq_id, first, logprobs.get(seq_id)))
-                for j, token in enumerate(tokens[1:]):
-                    out.outputs.append(SeqOutput(seq_id, token, lps[j] if lps else None))
-                seq_out = SeqOutput(seq_id, request.output_token_ids[-1],
-                                    lps[extra - 1] if lps else None)
-            else:
-                seq_out = SeqOutput(seq_id, request.output_token_ids[-1], logprobs.get(seq_id))
+            tokens = request.output_token_ids[-1 - extra:]
+            lps = [logprobs.get(seq_id), *result.extra_logprobs.get(seq_id, [None] * extra)]
+            for token, lp in zip(tokens[:-1], lps):
+                out.outputs.append(SeqOutput(seq_id, token, lp))
+            seq_out = SeqOutput(seq_id, tokens[-1], lps[extra])
             if request.is_finished():
                 seq_out.finish_reason = request.get_finish_reason()
                 seq_out.stop_reason = request.stop_reason
@@ -402,16 +381,8 @@ class EngineCore:
             num_prompt_tokens=self._num_prompt_tokens,
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
-            **self._spec_stats(),
+            **(self.proposer.stats.engine_stats_fields() if self.proposer else {}),
         )
-
-    def _spec_stats(self) -> dict:
-        if self.proposer is None:
-            return {}
-        st = self.proposer.stats
-        return dict(spec_num_drafts=st.num_drafts, spec_num_draft_tokens=st.num_draft_tokens,
-                    spec_num_accepted_tokens=st.num_accepted_tokens,
-                    spec_accepted_per_pos=tuple(st.accepted_per_pos))
 
     @property
     def request_of(self) -> dict[str, str]:
@@ -439,26 +410,3 @@ class EngineCore:
     def shutdown(self) -> None:
         """Stop the workers (tensor-parallel ranks); the core cannot step afterwards."""
         self.model_executor.shutdown()
-
-
-def _make_executor(args: EngineArgs, source) -> Executor:
-    if args.distributed_executor_backend == "ray":
-        from pagedlm.executor.ray_executor import RayExecutor  # Ray is an optional extra
-
-        return RayExecutor(args)
-    if args.tensor_parallel_size == 1:
-        return UniProcExecutor(args, source)
-    return MultiprocExecutor(args)
-
-
-def log_engine(core: EngineCore, model_path, load_time_s: float) -> None:
-    spec, args = core.spec, core.args
-    logger.info(
-        "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
-        "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
-        model_path, core.device, str(core.dtype).removeprefix("torch."), core.info.num_blocks,
-        spec.block_size, core.kv_cache_manager.capacity_tokens, core.max_model_len,
-        spec.attention_backend,
-        args.weight_dtype if args.weight_dtype != "auto" else str(core.dtype).removeprefix("torch."),
-        str(spec.kv_cache_dtype).removeprefix("torch."), load_time_s,
-    )

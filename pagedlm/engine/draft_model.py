@@ -26,13 +26,31 @@ from pagedlm.config import EngineArgs, SpeculativeConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
-from pagedlm.engine.spec_decode import REST_STEPS, Proposer
+from pagedlm.engine.spec_decode import REST_STEPS, NgramProposer, Proposer
 from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.sampling_params import SamplingParams
+from pagedlm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
 _GREEDY = SamplingParams(temperature=0, max_tokens=1 << 30)
+# Speculative decoding stops in steps with more decoding sequences than this, by default
+# (SpeculativeConfig.disable_by_batch_size).
+DEFAULT_CPU_SPEC_MAX_BATCH = 4
+DEFAULT_GPU_SPEC_MAX_BATCH = 32
+
+
+def make_proposer(args: EngineArgs, device_type: str, vocab_size: int, num_blocks: int,
+                  block_size: int, max_model_len: int) -> Proposer | None:
+    """The proposer `args.speculative_config` asks for (None: no speculation)."""
+    config = args.speculative_config
+    if config is None:
+        return None
+    max_batch = DEFAULT_CPU_SPEC_MAX_BATCH if device_type == "cpu" else DEFAULT_GPU_SPEC_MAX_BATCH
+    if config.method == "ngram":
+        return NgramProposer(config, max_batch)
+    return DraftModelProposer(config, max_batch, args, vocab_size, num_blocks, block_size,
+                              args.max_num_seqs, max_model_len)
 
 
 class _Mirror:
@@ -52,8 +70,6 @@ class DraftModelProposer(Proposer):
     def __init__(self, config: SpeculativeConfig, default_max_batch: int,
                  target_args: EngineArgs, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int) -> None:
-        from pagedlm.worker.worker import Worker  # torch: only when a draft model is used
-
         super().__init__(config, default_max_batch)
         source = resolve_model_source(config.model)
         vocab = source.hf_config.vocab_size

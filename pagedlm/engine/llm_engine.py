@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core import EngineCore, StepRecord, log_engine
+from pagedlm.engine.core import EngineCore, StepRecord
 from pagedlm.engine.core_io import CoreBeamRequest
 from pagedlm.engine.frontend import EngineFrontend, eos_token_ids
 from pagedlm.engine.output_processor import RequestOutputKind
@@ -161,3 +161,16 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()
+
+
+def log_engine(core: EngineCore, model_path, load_time_s: float) -> None:
+    spec, args = core.spec, core.args
+    logger.info(
+        "pagedlm engine: model %s on %s (%s), %d KV blocks of %d tokens = %d tokens, "
+        "max_model_len %d, attention %s, weights %s, KV cache %s, loaded in %.1f s",
+        model_path, core.device, str(core.dtype).removeprefix("torch."), core.info.num_blocks,
+        spec.block_size, core.kv_cache_manager.capacity_tokens, core.max_model_len,
+        spec.attention_backend,
+        args.weight_dtype if args.weight_dtype != "auto" else str(core.dtype).removeprefix("torch."),
+        str(spec.kv_cache_dtype).removeprefix("torch."), load_time_s,
+    )

@@ -43,6 +43,12 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)  # drafts accepted at position i
 
+    def engine_stats_fields(self) -> dict:
+        """These counters as EngineStats fields."""
+        return dict(spec_num_drafts=self.num_drafts, spec_num_draft_tokens=self.num_draft_tokens,
+                    spec_num_accepted_tokens=self.num_accepted_tokens,
+                    spec_accepted_per_pos=tuple(self.accepted_per_pos))
+
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
