@@ -74,6 +74,8 @@ class DashboardSnapshot:
         d["ref_counts"] = base64.b64encode(self.ref_counts).decode()
         d["stats"]["kv_cache_usage"] = self.stats.kv_cache_usage
         d["stats"]["prefix_cache_hit_rate"] = self.stats.prefix_cache_hit_rate
+        d["stats"]["spec_acceptance_rate"] = self.stats.spec_acceptance_rate
+        d["stats"]["spec_mean_acceptance_length"] = self.stats.spec_mean_acceptance_length
         d["state_names"] = list(STATE_NAMES)
         d["counts"] = state_counts(self.states())
         return d

@@ -95,6 +95,9 @@ def render(state: dict, width: int = 100) -> Group:
     latency = Text(f"TTFT p50/p99 {_secs(last.get('ttft_p50'))} / {_secs(last.get('ttft_p99'))}"
                    f"   inter-token p50/p99 {_secs(last.get('itl_p50'))} / "
                    f"{_secs(last.get('itl_p99'))}")
+    if stats.get("spec_num_draft_tokens"):
+        latency.append(f"   drafts accepted {_pct(stats['spec_acceptance_rate'])} "
+                       f"({stats['spec_mean_acceptance_length']:.2f} tokens per verification)")
     table = Table(box=None, pad_edge=False, header_style="dim")
     for column in ("sequence", "state", "prompt done (cached)", "generated", "TTFT", "age",
                    "preempted", "blocks"):

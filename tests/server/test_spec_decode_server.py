@@ -4,6 +4,9 @@ usage counts and the spec_decode metrics."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import httpx
@@ -82,6 +85,14 @@ def test_same_text_streamed_or_not(spec_server, plain_texts):
     accepted = metric_value(metrics, "pagedlm:spec_decode_num_accepted_tokens_total")
     drafted = metric_value(metrics, "pagedlm:spec_decode_num_draft_tokens_total")
     assert 0 < accepted <= drafted
+    # The dashboard's snapshot and `pagedlm top` report it too.
+    stats = httpx.get(f"{spec_server.url}/dashboard/state", timeout=30).json()["snapshot"]["stats"]
+    assert stats["spec_num_accepted_tokens"] == accepted
+    assert stats["spec_acceptance_rate"] == pytest.approx(accepted / drafted)
+    top = subprocess.run([sys.executable, "-m", "pagedlm.entrypoints.cli", "top", spec_server.url,
+                          "--once"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "COLUMNS": "160"})
+    assert top.returncode == 0 and "drafts accepted" in top.stdout, top.stdout + top.stderr
 
 
 def test_stop_string_inside_accepted_drafts(spec_server, plain_texts):

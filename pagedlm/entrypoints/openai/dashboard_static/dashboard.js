@@ -250,6 +250,10 @@
     $("t-kv").textContent = pct(st.kv_cache_usage);
     $("t-hit").textContent = pct(st.prefix_cache_hit_rate);
     $("t-preempt").textContent = fmt(st.num_preemptions);
+    if (st.spec_num_draft_tokens > 0) {  // speculative decoding at work
+      $("tile-spec").hidden = false;
+      $("t-spec").textContent = `${pct(st.spec_acceptance_rate)} (${st.spec_mean_acceptance_length.toFixed(2)})`;
+    }
     $("t-cost").textContent = snap.step_seconds_total > 0
       ? (100 * snap.build_seconds_total / snap.step_seconds_total).toFixed(2) + "%" : "–";
   }
