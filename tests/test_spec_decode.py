@@ -419,3 +419,28 @@ def test_bench_spec_decode_runs(tmp_path):
         assert result["latency_ratio_off_over_on"] > 0
     assert report["throughput"]["ratio_on_over_off"] > 0
     assert report["speculative_config"]["method"] == "ngram"
+
+
+def test_draft_proposer_goes_dormant_when_drafts_fail_and_probes():
+    """A proposer with min_recent_acceptance: after enough failed verifications, new
+    sequences do not speculate, except one in PROBE_EVERY; good results wake it up."""
+    from pagedlm.engine.spec_decode import PROBE_EVERY, RECENT
+
+    proposer = NgramProposer(SpeculativeConfig(**NGRAM), 8)
+    proposer.min_recent_acceptance = 0.15
+    tokens = [1, 2, 3, 1, 2, 3, 1, 2]
+    for i in range(RECENT):
+        proposer.record({f"old{i}": [1, 2]}, {})  # nothing accepted
+    assert proposer.dormant()
+    speculating = 0
+    for i in range(PROBE_EVERY):
+        r = _request(tokens, f"new{i}")
+        proposer.propose([r])
+        speculating += bool(r.spec_token_ids)
+    assert speculating == 1  # the probe
+    for i in range(RECENT):
+        proposer.record({f"good{i}": [1, 2]}, {f"good{i}": [1, 2]})
+    assert not proposer.dormant()
+    r = _request(tokens, "after")
+    proposer.propose([r])
+    assert r.spec_token_ids

@@ -67,6 +67,7 @@ class DraftModelProposer(Proposer):
     # sequence whose drafts keep failing gives up after two rests.
     max_rest_steps = 2 * REST_STEPS
     start_with_all = False  # one draft first: k draft forwards only once they pay off
+    min_recent_acceptance = 0.15  # each new sequence costs the draft a prefill of its prompt
     def __init__(self, config: SpeculativeConfig, default_max_batch: int,
                  target_args: EngineArgs, target_vocab_size: int, num_blocks: int,
                  block_size: int, max_num_seqs: int, max_model_len: int) -> None:

@@ -19,11 +19,15 @@ Backing off, so that speculation never costs more than it saves:
     gives up for good rather than rest longer than 256 steps (16 for a draft model, whose
     every try costs it a catch-up forward over what it missed);
   * per step, no drafts at all while more sequences decode than `disable_by_batch_size`:
-    a large batch is compute bound and the verification rows would cost real time.
+    a large batch is compute bound and the verification rows would cost real time;
+  * for a draft model, whose every new sequence first costs a prefill of its prompt in
+    the draft: while under 15% of the drafts of the last 64 verifications were accepted,
+    new sequences do not speculate, but one in 32 (so that a change of workload is seen).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from pagedlm.config import SpeculativeConfig
@@ -32,6 +36,8 @@ from pagedlm.core.request import Request
 REST_STEPS = 8  # a sequence whose drafts all failed first rests this many steps
 MAX_REST_STEPS = 256
 _FOREVER = 1 << 62
+RECENT = 64  # verifications the dormancy rule looks back over
+PROBE_EVERY = 32  # a dormant proposer still lets one new sequence in this many speculate
 
 
 @dataclass
@@ -77,12 +83,18 @@ class Proposer:
     # Rests longer than this are not taken: the sequence stops speculating for good.
     max_rest_steps = MAX_REST_STEPS
     start_with_all = True  # a new sequence's first drafts: all k (else one, growing)
+    # Below this share of drafts accepted over the last RECENT verifications, new sequences
+    # do not speculate (but one in PROBE_EVERY, to notice when it would pay again): for a
+    # proposer whose every sequence costs something up front (a draft model's prefill).
+    min_recent_acceptance = 0.0
 
     def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
         self.k = config.num_speculative_tokens
         self.max_batch = config.disable_by_batch_size or default_max_batch
         self.stats = SpecStats(accepted_per_pos=[0] * self.k)
         self._seqs: dict[str, _SeqState] = {}
+        self._recent: deque[tuple[int, int]] = deque(maxlen=RECENT)  # (accepted, drafted)
+        self._new_since_probe = 0
 
     def forget(self, seq_id: str) -> None:
         self._seqs.pop(seq_id, None)
@@ -95,6 +107,7 @@ class Proposer:
             stats.num_drafts += 1
             stats.num_draft_tokens += len(drafts)
             stats.num_accepted_tokens += n
+            self._recent.append((n, len(drafts)))
             for pos in range(n):
                 stats.accepted_per_pos[pos] += 1
             state = self._seqs.get(seq_id)
@@ -122,6 +135,12 @@ class Proposer:
             if state is None:
                 state = self._seqs[request.request_id] = _SeqState(
                     self.k if self.start_with_all else 1)
+                if self.dormant():
+                    self._new_since_probe += 1
+                    if self._new_since_probe < PROBE_EVERY:
+                        state.num_drafts, state.rest = 0, _FOREVER
+                    else:
+                        self._new_since_probe = 0
             if state.num_drafts == 0:
                 if state.rest > 0:
                     state.rest -= 1
@@ -131,6 +150,13 @@ class Proposer:
             counts.append(state.num_drafts)
         if requests:
             self._draft(requests, counts)
+
+    def dormant(self) -> bool:
+        """Too few drafts accepted lately for new sequences to start speculating."""
+        if not self.min_recent_acceptance or len(self._recent) < RECENT // 2:
+            return False
+        accepted = sum(a for a, _ in self._recent)
+        return accepted < self.min_recent_acceptance * sum(d for _, d in self._recent)
 
     def _draft(self, requests: list[Request], counts: list[int]) -> None:
         raise NotImplementedError
