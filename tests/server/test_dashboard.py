@@ -172,6 +172,10 @@ def test_events_stream_snapshots_and_stop_when_nobody_watches(dash_server):
         steps = [s["step"] for s in busy]
         assert steps == sorted(steps) and steps[0] < steps[-1]
     worker.join(60)
+    # The charts got the latencies the server measured from those streams.
+    history = _state(dash_server)["history"]
+    assert any(p["ttft_p50"] is not None for p in history)
+    assert any(p["itl_p50"] is not None and p["itl_p99"] >= p["itl_p50"] for p in history)
     # The page is gone: the core builds no more snapshots, except the one asked for.
     time.sleep(0.5)  # the close reaches the core
     before = _state(dash_server)["snapshot"]["num_snapshots"]

@@ -82,7 +82,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
     chat = ChatServing(serving)
     metrics = ServerMetrics(engine, serving.model_name)
     engine.add_output_listener(metrics.observe)
-    hub = DashboardHub(engine, serving.model_name) if enable_dashboard else None
+    hub = DashboardHub(engine, metrics) if enable_dashboard else None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

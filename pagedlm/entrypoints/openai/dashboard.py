@@ -4,7 +4,7 @@ package: nothing from a CDN), `/dashboard/events` (server-sent events) and
 
     engine core --(snapshot, 4/s while a page is open)--> DashboardHub --SSE--> pages
                --(stats, 0.2 s while busy)-----------------> history (charts)
-    outputs (event loop) --------------------------------> TTFT / inter-token latency
+    outputs -> ServerMetrics (metrics.py) ---------------> TTFT / inter-token latency
 
 The hub opens the core's snapshot stream while at least one page is connected and closes
 it after the last one leaves, so an unwatched server builds no snapshot at all. Each
@@ -28,7 +28,7 @@ from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.dashboard import DashboardSnapshot
 from pagedlm.engine.stats import EngineStats
 from pagedlm.entrypoints.openai.errors import error_response
-from pagedlm.outputs import RequestOutput
+from pagedlm.entrypoints.openai.metrics import ServerMetrics
 
 SAMPLE_PERIOD_S = 0.5  # one point of the charts
 HISTORY_S = 300.0  # what the charts show: the last five minutes
@@ -44,44 +44,24 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 
 class DashboardHub:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
-        self.model_name = model_name
+        self.model_name = metrics.model_name
         self.started = time.time()
         self.history: deque[dict] = deque(maxlen=int(HISTORY_S / SAMPLE_PERIOD_S))
         self._ttft: list[float] = []  # since the last sample
         self._itl: list[float] = []
-        self._last_token: dict[str, float] = {}
         self._prev: tuple[float, EngineStats] | None = None
         self._snapshot_json: str | None = None
         self._snapshot_id = 0
         self._changed = asyncio.Event()
-        self._watchers = 0
-        engine.add_output_listener(self._on_output)
-        engine.add_stats_listener(self._on_stats)
+        # The latencies the server's metrics measure from the outputs, as they come.
+        metrics.first_token_listeners.append(lambda ttft: self._ttft.append(ttft))
+        metrics.token_gap_listeners.append(lambda gap: self._itl.append(gap))
+        engine.add_stats_listener(self.sample)
         engine.add_dashboard_listener(self._on_snapshot)
 
     # ----- what the engine tells it ------------------------------------------------------
-
-    def _on_output(self, output: RequestOutput) -> None:
-        metrics = output.metrics
-        if metrics is None:
-            return
-        request_id = output.request_id
-        last = metrics.last_token_time
-        if last is not None:
-            previous = self._last_token.get(request_id)
-            if previous is None:
-                if metrics.first_token_time is not None:
-                    self._ttft.append(metrics.first_token_time - metrics.arrival_time)
-            elif last > previous:
-                self._itl.append(last - previous)
-            self._last_token[request_id] = last
-        if output.finished:
-            self._last_token.pop(request_id, None)
-
-    def _on_stats(self, stats: EngineStats) -> None:
-        self.sample(stats)
 
     def _on_snapshot(self, snapshot: DashboardSnapshot) -> None:
         self._snapshot_json = json.dumps(snapshot.to_json(), separators=(",", ":"))
@@ -127,11 +107,9 @@ class DashboardHub:
                 "history_s": HISTORY_S}
 
     def open(self) -> None:
-        self._watchers += 1
         self.engine.watch_dashboard(+1)
 
     def close(self) -> None:
-        self._watchers -= 1
         self.engine.watch_dashboard(-1)
 
     async def wait_change(self, timeout: float) -> None:

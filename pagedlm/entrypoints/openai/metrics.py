@@ -15,7 +15,7 @@ process (tests).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client import generate_latest as _generate_latest
@@ -127,6 +127,10 @@ class ServerMetrics:
         self.registry.register(_EngineCollector(engine, model_name))
         # request id -> time of its last token, to measure the gap to the next one.
         self._last_token_time: dict[str, float] = {}
+        # Who else wants each latency as it is measured (the dashboard's charts): a
+        # request's time to first token when it arrives, and each inter-token gap.
+        self.first_token_listeners: list[Callable[[float], None]] = []
+        self.token_gap_listeners: list[Callable[[float], None]] = []
 
     def observe(self, output: RequestOutput) -> None:
         metrics = output.metrics
@@ -135,8 +139,15 @@ class ServerMetrics:
         request_id = output.request_id
         if metrics.last_token_time is not None:
             previous = self._last_token_time.get(request_id)
-            if previous is not None and metrics.last_token_time > previous:
-                self.inter_token_latency.observe(metrics.last_token_time - previous)
+            if previous is None:
+                if metrics.first_token_time is not None:
+                    for listener in self.first_token_listeners:
+                        listener(metrics.first_token_time - metrics.arrival_time)
+            elif metrics.last_token_time > previous:
+                gap = metrics.last_token_time - previous
+                self.inter_token_latency.observe(gap)
+                for listener in self.token_gap_listeners:
+                    listener(gap)
             self._last_token_time[request_id] = metrics.last_token_time
         if not output.finished:
             return
