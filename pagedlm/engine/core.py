@@ -394,10 +394,11 @@ class EngineCore:
         """Time spent in step() since start."""
         return self._step_seconds
 
-    def dashboard_snapshot(self) -> DashboardSnapshot:
-        """Every block's state and every live sequence, for the live dashboard."""
+    def dashboard_snapshot(self, stats: EngineStats | None = None) -> DashboardSnapshot:
+        """Every block's state and every live sequence, for the live dashboard (`stats`:
+        this moment's, if the caller has them already)."""
         start = time.perf_counter()
-        snapshot = build_snapshot(self)
+        snapshot = build_snapshot(self, stats or self.get_stats())
         self._snapshot_seconds += time.perf_counter() - start
         self._num_snapshots += 1
         snapshot.build_seconds_total = self._snapshot_seconds

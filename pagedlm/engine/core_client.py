@@ -133,7 +133,7 @@ def run_core_loop(core: EngineCore, recv: Callable[[bool], list], send: MessageH
         # At most one snapshot per step, and none unless someone watches or asked.
         if snapshot_now or (watchers and (now - snapshot_time >= SNAPSHOT_PERIOD_S
                                           or not core.has_unfinished_requests())):
-            message.dashboard = core.dashboard_snapshot()
+            message.dashboard = core.dashboard_snapshot(message.stats)
             snapshot_time = now
         if (message.acks or message.outputs is not None or message.stats is not None
                 or message.dashboard is not None):

@@ -103,7 +103,7 @@ def sequence_row(request: Request, request_id: str, kind: str, block_ids: list[i
         preemptions=request.num_preemptions, block_ids=block_ids)
 
 
-def build_snapshot(core: EngineCore) -> DashboardSnapshot:
+def build_snapshot(core: EngineCore, stats: EngineStats) -> DashboardSnapshot:
     """The snapshot of an engine core (its own cost counters are filled in by the core)."""
     kv, sched = core.kv_cache_manager, core.scheduler
     copies = list(core.last_step.scheduled.copy_blocks) if core.last_step else []
@@ -122,7 +122,6 @@ def build_snapshot(core: EngineCore) -> DashboardSnapshot:
             group = beam_owner.get(seq_id)
             parent, kind = (beam_ids.get(id(group)) if group else None) or seq_id, "beam"
         rows.append(sequence_row(request, parent, kind, kv.get_block_ids(seq_id), now))
-    stats = core.get_stats()
     return DashboardSnapshot(
         time=time.time(), step=stats.num_steps, block_size=kv.block_size,
         block_states=states.tobytes(), ref_counts=refs.tobytes(), sequences=rows, stats=stats,
