@@ -254,20 +254,19 @@ class KVCacheManager:
         child.num_cached_blocks = parent.num_cached_blocks
         child.block_hashes = parent.block_hashes[: parent.num_computed_tokens // self.block_size]
 
-    def free_excess_blocks(self, request: Request) -> int:
+    def free_excess_blocks(self, request: Request) -> None:
         """Speculative decoding: give back the blocks past the request's tokens (slots the
-        rejected drafts took, which hold nothing valid). Returns how many were freed."""
+        rejected drafts took, which hold nothing valid)."""
         blocks = self.req_to_blocks.get(request.request_id)
         keep = self.num_blocks_needed(request.num_tokens)
         if not blocks or len(blocks) <= keep:
-            return 0
+            return
         excess = blocks[keep:]
         del blocks[keep:]
         changed = self._changed_from.get(request.request_id)
         if changed is not None and changed >= keep:
             del self._changed_from[request.request_id]  # nothing left to send from there
         self.block_pool.free_blocks(reversed(excess))
-        return len(excess)
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []

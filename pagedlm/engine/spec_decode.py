@@ -55,15 +55,6 @@ class SpecStats:
                     spec_num_accepted_tokens=self.num_accepted_tokens,
                     spec_accepted_per_pos=tuple(self.accepted_per_pos))
 
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a verification step produced on average: accepted drafts plus one."""
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
-
 
 class _SeqState:
     __slots__ = ("index", "indexed", "num_drafts", "rest", "rest_length")
