@@ -18,6 +18,7 @@ _EXPORTS = {
     "RequestOutput": "pagedlm.outputs",
     "CompletionOutput": "pagedlm.outputs",
     "Logprob": "pagedlm.outputs",
+    "LoRARequest": "pagedlm.lora.request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -70,6 +70,11 @@ class EngineArgs:
     # Speculative decoding: a SpeculativeConfig, its dict or its JSON text (vLLM's keys),
     # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # LoRA adapters (PEFT format) chosen per request: up to max_loras resident at once
+    # (in the workers' slots, mixed in one batch), each of rank up to max_lora_rank
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         dtype = DTYPE_ALIASES.get(self.dtype, self.dtype)
@@ -98,6 +103,11 @@ class EngineArgs:
         _check_positive("kv_cache_memory", self.kv_cache_memory, allow_none=True)
         _check_positive("num_threads", self.num_threads, allow_none=True)
         _check_positive("tensor_parallel_size", self.tensor_parallel_size)
+        _check_positive("max_loras", self.max_loras)
+        _check_positive("max_lora_rank", self.max_lora_rank)
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got "
+                             f"{self.max_lora_rank}")
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
@@ -114,6 +124,7 @@ class EngineArgs:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+MAX_LORA_RANK = 512
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class Request:
         max_tokens: int | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora=None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -72,7 +73,18 @@ class Request:
         # leading blocks already registered in the cache, and what else keys the content.
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
-        self.cache_extra_key = cache_salt.encode() if cache_salt else b""
+        # An adapter (lora.adapter.LoRAAdapter) computes other K/V from the same tokens:
+        # its content hash keys the blocks, so adapters never share them with each other
+        # or with the base model.
+        # Each part is tagged and the salt length-prefixed, so no salt can spell another
+        # request's key.
+        self.lora = lora
+        self.cache_extra_key = b""
+        if cache_salt:
+            salt = cache_salt.encode()
+            self.cache_extra_key += b"salt" + len(salt).to_bytes(4, "little") + salt
+        if lora is not None:
+            self.cache_extra_key += b"lora" + lora.content_hash
         # Prompt logprobs need logits at every prompt position, so nothing may be skipped.
         self.skip_prefix_cache = sampling_params.prompt_logprobs is not None
         self.num_cached_prompt_tokens = 0  # prompt tokens found in the cache at first admission

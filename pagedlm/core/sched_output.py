@@ -38,6 +38,7 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...]
     block_ids: list[int]  # the whole block table
     num_computed_tokens: int
+    lora_slot: int = -1  # the LoRA slot of its adapter (core/lora_slots.py); -1: none
 
 
 @dataclass
@@ -93,6 +94,9 @@ class SchedulerOutput:
     # num_scheduled_tokens are 1 + len(drafts): its last token, then the drafts, whose
     # K/V are written after it; the model samples at each of those positions.
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # LoRA: adapters to write into slots before this step runs (slot -> lora.adapter.
+    # LoRAAdapter), sent once, when the scheduler first places them.
+    lora_loads: dict[int, object] = field(default_factory=dict)
     # Prompt tokens computed by this step (for statistics; workers ignore it).
     num_prompt_tokens: int = 0
     # Structured outputs: the token bitmask of the constrained sequences that sample at

@@ -20,14 +20,19 @@ from collections.abc import Iterable, Sequence
 
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.lora_slots import LoRASlots
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 lora_slots: LoRASlots | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
+        # LoRA: which adapter each worker slot holds, and loads not yet sent to the workers.
+        self.lora_slots = lora_slots
+        self._lora_loads: dict[int, object] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -181,17 +186,23 @@ class Scheduler:
                 continue
             break  # the request preempted itself: nothing behind it is left to schedule
 
-        # Then admit waiting requests, unless this step already had to preempt.
+        # Then admit waiting requests, unless this step already had to preempt. One whose
+        # adapter finds no LoRA slot is passed over (`skipped`), for this step.
+        skipped: set[int] = set()
         while (
             not out.preempted_request_ids
             and budget > 0
             and prefill_budget > 0
             and len(self.running) < self.config.max_num_seqs
         ):
-            request = next((r for r in self.waiting if not r.paused), None)
+            request = next((r for r in self.waiting if not r.paused and id(r) not in skipped),
+                           None)
             if request is None:
                 break
             assert request.num_computed_tokens == 0
+            if request.lora is not None and not self._place_lora(request):
+                skipped.add(id(request))
+                continue
             hits = self.kv.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.kv.block_size
             num_new = request.num_tokens - num_hit_tokens
@@ -220,7 +231,20 @@ class Scheduler:
         out.copy_blocks = self.kv.take_pending_copies()
         if not out.is_empty:  # an empty step never reaches the workers: keep them for the next
             out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
+            out.lora_loads, self._lora_loads = self._lora_loads, {}
         return out
+
+    def _place_lora(self, request: Request) -> bool:
+        """Put the request's adapter in a LoRA slot (loaded with the next step that reaches
+        the workers); False if every slot holds an adapter a running request uses."""
+        placed = self.lora_slots.place(
+            request.lora, lambda: (r.lora.content_hash for r in self.running if r.lora))
+        if placed is None:
+            return False
+        slot, load = placed
+        if load:
+            self._lora_loads[slot] = request.lora
+        return True
 
     def _max_drafts(self, request: Request, budget: int) -> int:
         """Drafts worth verifying: within the step's token budget, the context and what
@@ -268,9 +292,11 @@ class Scheduler:
         out.total_num_scheduled_tokens += num_new
         out.num_prompt_tokens += min(num_new, max(0, request.num_prompt_tokens - num_computed))
 
-    @staticmethod
-    def _new_request_data(request: Request, block_ids: list[int],
+    def _new_request_data(self, request: Request, block_ids: list[int],
                           num_computed: int) -> NewRequestData:
+        # A request reaches the workers only while its adapter is in a slot: placed at
+        # admission, kept there while it runs (forks and beams share it).
+        lora_slot = -1 if request.lora is None else self.lora_slots.slot_of[request.lora.content_hash]
         return NewRequestData(
             req_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
@@ -280,6 +306,7 @@ class Scheduler:
             eos_token_ids=request.eos_token_ids,
             block_ids=block_ids,
             num_computed_tokens=num_computed,
+            lora_slot=lora_slot,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -415,3 +442,7 @@ class Scheduler:
         for r in self.waiting:
             assert not self.kv.get_block_ids(r.request_id) or r.num_computed_tokens == 0
         self.kv.check_invariants(live)
+        if self.lora_slots is not None:
+            self.lora_slots.check_invariants()
+            for r in self.running:  # a running request's adapter is in a slot
+                assert r.lora is None or r.lora.content_hash in self.lora_slots.slot_of

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pagedlm.config import EngineArgs, SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.lora_slots import LoRASlots
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
@@ -37,6 +38,7 @@ from pagedlm.engine.core_io import (
 )
 from pagedlm.engine.dashboard import DashboardSnapshot, build_snapshot
 from pagedlm.engine.draft_model import make_proposer
+from pagedlm.engine.lora_registry import LoRARegistry
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import make_executor
 from pagedlm.structured import StructuredOutputManager
@@ -105,7 +107,11 @@ class EngineCore:
                         else DEFAULT_GPU_PREFILL_WITH_DECODES)),
             ),
             self.kv_cache_manager,
+            LoRASlots(args.max_loras) if args.enable_lora else None,
         )
+        # LoRA adapters by name, read and checked against the model.
+        self.loras = LoRARegistry(args.enable_lora, args.max_lora_rank,
+                                  self.model_executor.check_lora)
         self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
         self.proposer = make_proposer(args, self.device.type, self.hf_config.vocab_size,
                                       num_blocks, spec.block_size, self.max_model_len)
@@ -160,10 +166,11 @@ class EngineCore:
         if request.request_id in self._live_seqs or self.beam_search.has(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         seq_ids = sequence_ids(request.request_id, len(request.seeds))
+        lora = None if request.lora_name is None else self.loras.get(request.lora_name)
         sequences = [
             Request(seq_id, request.prompt_token_ids, request.params, seed, self.eos_token_ids,
                     max_tokens=request.max_tokens, arrival_time=request.arrival_time,
-                    cache_salt=request.cache_salt)
+                    cache_salt=request.cache_salt, lora=lora)
             for seq_id, seed in zip(seq_ids, request.seeds)
         ]
         structured = request.params.structured_outputs

@@ -28,6 +28,7 @@ class CoreRequest:
     max_tokens: int
     arrival_time: float
     cache_salt: str | None = None
+    lora_name: str | None = None  # an adapter added to the core (EngineCore.add_lora)
 
 
 @dataclass

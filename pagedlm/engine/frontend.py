@@ -73,7 +73,7 @@ class EngineFrontend:
                      prompt_token_ids: Sequence[int] | None = None,
                      output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
                      arrival_time: float | None = None, cache_salt: str | None = None,
-                     ) -> CoreRequest | CoreBeamRequest:
+                     lora_name: str | None = None) -> CoreRequest | CoreBeamRequest:
         """Validate a request and start tracking it; the caller hands the result to the
         core and calls `forget(request_id)` if the core refuses it. Raises ValueError."""
         if not isinstance(params, SamplingParams):
@@ -108,7 +108,7 @@ class EngineFrontend:
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params, output_kind,
                                           sequence_ids(request_id, num_seqs), arrival)
         return CoreRequest(request_id, prompt_token_ids, seq_params, seeds, max_tokens, arrival,
-                           cache_salt)
+                           cache_salt, lora_name)
 
     def make_beam_request(self, request_id: str, prompt_token_ids: list[int],
                           params: BeamSearchParams, prompt: str | None = None,

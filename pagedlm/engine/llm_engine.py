@@ -18,6 +18,8 @@ from pagedlm.engine.frontend import EngineFrontend, eos_token_ids
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
 from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+from pagedlm.lora.adapter import LoRAAdapter
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -99,12 +101,27 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: Sequence[int] | None = None,
                     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. With n > 1 (or best_of), the first sample computes the prompt
-        and the others fork from it when it samples its first token, sharing its blocks."""
+        and the others fork from it when it samples its first token, sharing its blocks.
+        A `lora_request` adapter is added to the engine the first time it is named."""
+        lora_name = None
+        if lora_request is not None:
+            lora_name = self.add_lora(lora_request).name
         request = self.frontend.make_request(request_id, prompt, params, prompt_token_ids,
-                                             output_kind, arrival_time, cache_salt)
+                                             output_kind, arrival_time, cache_salt, lora_name)
         self._add(request)
+
+    def add_lora(self, lora_request: LoRARequest) -> LoRAAdapter:
+        """Read and check an adapter (ValueError naming what is wrong); known: returned."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        return self.core.loras.add(lora_request)
+
+    def remove_lora(self, name: str) -> bool:
+        return self.core.loras.remove(name)
 
     def add_beam_search_request(self, request_id: str, prompt_token_ids: list[int],
                                 params: BeamSearchParams, prompt: str | None = None,

@@ -10,6 +10,7 @@ from pagedlm.config import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import BeamSearchOutput, RequestOutput
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -46,17 +47,20 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the order of the prompts.
 
         A prompt is a string, {"prompt": str}, or {"prompt_token_ids": [int, ...]}.
+        `lora_request`: the adapter of every prompt, or one per prompt (None: the base
+        model); needs `LLM(enable_lora=True)`.
         """
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
         prompts = list(prompts)
         params_list = self._params_for(len(prompts), sampling_params)
         parsed = [self._parse_prompt(p, i) for i, p in enumerate(prompts)]
-        return self._run(parsed, params_list, use_tqdm)
+        return self._run(parsed, params_list, use_tqdm, self._loras_for(len(prompts), lora_request))
 
     def chat(
         self,
@@ -65,6 +69,7 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to
         a list of them, using the model's chat template."""
@@ -81,7 +86,7 @@ class LLM:
             # The template already holds any BOS token: do not add special tokens again.
             ids = self.get_tokenizer()(p["prompt"], add_special_tokens=False).input_ids
             parsed.append((p["prompt"], ids))
-        return self._run(parsed, params_list, use_tqdm)
+        return self._run(parsed, params_list, use_tqdm, self._loras_for(len(prompts), lora_request))
 
     def beam_search(
         self,
@@ -142,6 +147,16 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {num} prompts; pass one, or one per prompt")
         return params
 
+    @staticmethod
+    def _loras_for(num: int, lora_request) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * num
+        loras = list(lora_request)
+        if len(loras) != num:
+            raise ValueError(f"got {len(loras)} lora_requests for {num} prompts; pass one, or "
+                             "one per prompt")
+        return loras
+
     def _parse_prompt(self, prompt: PromptType, index: int) -> tuple[str | None, list[int] | None]:
         if isinstance(prompt, str):
             return prompt, None
@@ -158,14 +173,15 @@ class LLM:
             f"got {type(prompt).__name__}"
         )
 
-    def _run(self, parsed, params_list, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, parsed, params_list, use_tqdm: bool,
+             loras: list[LoRARequest | None]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
-            for (prompt, token_ids), params in zip(parsed, params_list):
+            for (prompt, token_ids), params, lora in zip(parsed, params_list, loras):
                 request_id = str(next(self._counter))
                 engine.add_request(request_id, prompt, params, prompt_token_ids=token_ids,
-                                   output_kind=RequestOutputKind.FINAL_ONLY)
+                                   output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora)
                 ids.append(request_id)
         except Exception:
             engine.abort_request(ids)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import WorkerSpec
 
@@ -30,6 +31,10 @@ class Executor(ABC):
     @abstractmethod
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step on every worker; the sampled result (the same on every rank)."""
+
+    @abstractmethod
+    def check_lora(self, adapter: LoRAAdapter) -> str | None:
+        """Why `adapter` does not fit the model (the first rank's complaint), or None."""
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to stop in-process
         """Stop the workers; the executor cannot be used afterwards."""
@@ -58,3 +63,6 @@ class RankedExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self._call("execute_model", self._step_message(sched))[0]
+
+    def check_lora(self, adapter: LoRAAdapter) -> str | None:
+        return next((e for e in self._call("check_lora", adapter) if e is not None), None)

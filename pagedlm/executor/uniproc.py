@@ -6,6 +6,7 @@ from pagedlm.config import EngineArgs
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.executor.base import Executor
 from pagedlm.loader.model_loader import ModelSource
+from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import Worker, WorkerSpec
 
@@ -25,3 +26,6 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(sched)
+
+    def check_lora(self, adapter: LoRAAdapter) -> str | None:
+        return self.driver_worker.check_lora(adapter)

@@ -11,11 +11,16 @@ tensor, so models load HF checkpoints unchanged whatever the tensor-parallel siz
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pagedlm.layers.parallel_state import all_gather_last_dim, all_reduce, get_tp_group
+
+if TYPE_CHECKING:
+    from pagedlm.layers.lora import LoRAWeights
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -32,8 +37,14 @@ def _divide(a: int, b: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
+    # Adapter slots (layers/lora.py), where LoRA is enabled: their delta is added to the
+    # output of `matmul`, whatever format the weight is in.
+    lora: LoRAWeights | None = None
+
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
+        # This rank's sizes (the weight itself may be repacked into another format).
+        self.in_features, self.out_features = input_size, output_size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -59,8 +70,15 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         self._copy(param, loaded)
 
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias), plus each token's LoRA delta where adapters are on."""
+        y = self.matmul(x, bias)
+        if self.lora is not None:
+            self.lora.add_to(x, y)
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        return self.project(x, self.bias)
 
 
 class ReplicatedLinear(LinearBase):
@@ -82,7 +100,7 @@ class ColumnParallelLinear(LinearBase):
         self._copy(param, loaded.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.matmul(x, self.bias)
+        y = self.project(x, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -154,8 +172,9 @@ class RowParallelLinear(LinearBase):
         self._copy(param, loaded)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The bias is added once, after the reduction.
-        y = all_reduce(self.matmul(x, None))
+        # The bias is added once, after the reduction; each rank's part of the LoRA delta
+        # before it (the parts sum to the whole, as the matmul's do).
+        y = all_reduce(self.project(x, None))
         return y + self.bias if self.bias is not None else y
 
 

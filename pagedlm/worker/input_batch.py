@@ -92,6 +92,8 @@ class InputBatch:
         self.min_tokens = np.zeros(max_num_rows, dtype=np.int64)
         self.num_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
         self.num_prompt_logprobs = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
+        self.lora_slot = np.zeros(max_num_rows, dtype=np.int64)  # -1 = none
+        self.num_lora_rows = 0
         # Rows that use each optional sampling stage: a stage no row uses is skipped without
         # looking at the step's rows at all (most batches use none of them).
         self._uses = dict.fromkeys(_STAGES, 0)
@@ -187,6 +189,8 @@ class InputBatch:
         self.min_tokens[row] = p.min_tokens
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         self.num_prompt_logprobs[row] = -1 if p.prompt_logprobs is None else p.prompt_logprobs
+        self.lora_slot[row] = new.lora_slot
+        self.num_lora_rows += new.lora_slot >= 0
 
     def remove(self, req_id: str) -> None:
         row = self.row_of.pop(req_id)
@@ -194,6 +198,8 @@ class InputBatch:
             self._uses[stage] -= 1
         self.req_ids[row] = None
         self.params[row] = None
+        self.num_lora_rows -= self.lora_slot[row] >= 0
+        self.lora_slot[row] = -1
         self.token_ids[row, : self.num_tokens[row]] = 0
         self.block_table[row, : self.num_blocks[row]] = 0
         self.num_tokens[row] = self.num_blocks[row] = 0

@@ -19,6 +19,7 @@ from pagedlm.sample.sampler import Sampler, compute_logprobs
 from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
+from pagedlm.worker.lora_model import LoRAModel
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +66,8 @@ class StepInputs:
     # Speculative decoding: per sampled row, the drafts before its position (0.. k for a
     # request verifying k drafts, which has k + 1 consecutive sampled rows); None: none.
     sampled_extra: np.ndarray | None = None
+    # LoRA: [num_tokens] the adapter slot of each token (-1: none); None: no adapter.
+    lora_slots: np.ndarray | None = None
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
@@ -107,6 +110,7 @@ class ModelRunner:
             self._upload = torch.from_numpy
         self._forward = self._forward_eager
         self.cpu_decoder = None  # models/llama_cpu_decode.py, where enabled
+        self.lora: LoRAModel | None = None  # adapter slots (worker/lora_model.py), if enabled
 
     def enable_cpu_decoder(self) -> str:
         """Run pure-decode steps through the C++ decoder of models/llama_cpu_decode.py where
@@ -234,6 +238,10 @@ class ModelRunner:
             targets = batch.token_ids[row, first + 1 : last + 1].copy()
             prompt_rows.append((batch.req_ids[row], first + 1, idx, targets))
 
+        lora_slots = None
+        if batch.num_lora_rows:
+            lora_slots = batch.lora_slot[rows][req_of_token]  # [num_tokens]
+
         up = self._upload
         meta = AttentionMetadata(
             num_decodes=num_decodes,
@@ -258,6 +266,7 @@ class ModelRunner:
             sampled_req_ids=sampled_req_ids,
             prompt_logprob_rows=prompt_rows,
             sampled_extra=sampled_extra,
+            lora_slots=lora_slots,
         )
 
     # ----- one step ---------------------------------------------------------------------
@@ -267,8 +276,16 @@ class ModelRunner:
         self.input_batch.update(sched)
         if sched.copy_blocks:
             self.copy_blocks(sched.copy_blocks)
+        for slot, adapter in sched.lora_loads.items():
+            self.lora.load(slot, adapter)
         inputs = self.prepare_inputs(sched)
-        hidden = self._forward(inputs)  # [num_tokens, hidden]
+        if self.lora is not None:
+            self.lora.step.set(inputs.lora_slots)
+            # The C++ decoder and CUDA graphs know nothing of adapters.
+            forward = self._forward_eager if self.lora.step.active else self._forward
+            hidden = forward(inputs)  # [num_tokens, hidden]
+        else:
+            hidden = self._forward(inputs)  # [num_tokens, hidden]
         out = ModelRunnerOutput()
         if inputs.prompt_logprob_rows:
             self._prompt_logprobs(hidden, inputs, out)

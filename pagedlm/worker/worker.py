@@ -22,8 +22,10 @@ from pagedlm.config import EngineArgs, GiB
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedlm.layers.parallel_state import all_gather_last_dim
 from pagedlm.loader.model_loader import ModelSource, build_model
+from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_cuda
+from pagedlm.worker.lora_model import LoRAModel
 from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
 from pagedlm.worker.weight_formats import prepare_cpu_weights
 
@@ -130,6 +132,12 @@ class Worker:
         self.sliding_window = _uniform_sliding_window(attn_layers)
         self.model_runner = ModelRunner(self.model, self.device, args.block_size,
                                         source.hf_config.vocab_size, is_driver=rank == 0)
+        if args.enable_lora:  # before the KV cache is sized: the slots take memory too
+            self.model_runner.lora = LoRAModel(self.model, args.max_loras, args.max_lora_rank,
+                                               self.dtype, self.device)
+            logger.info("LoRA: %d slots of rank %d on %d layers, %.1f MiB", args.max_loras,
+                        args.max_lora_rank, len(self.model_runner.lora.layers),
+                        self.model_runner.lora.num_bytes / 2**20)
         self.cuda_graphs = False
 
     def worker_spec(self) -> WorkerSpec:
@@ -243,6 +251,17 @@ class Worker:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+    def check_lora(self, adapter: LoRAAdapter) -> str | None:
+        """What makes `adapter` unusable on this rank's model (None: nothing); no slot
+        changes."""
+        if self.model_runner.lora is None:
+            return "LoRA is not enabled (enable_lora=True, --enable-lora)"
+        try:
+            self.model_runner.lora.plan(adapter)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def fast_paths(self) -> dict[str, bool]:
         """Which fast paths this rank's pure-decode steps take (after initialize_cache)."""

@@ -1,0 +1,55 @@
+"""Which adapter each of the workers' `max_loras` LoRA slots holds.
+
+A request with an adapter is admitted only while its adapter is in a slot, or can be put
+in one: a free slot, else the least recently used slot whose adapter no running request
+uses. An adapter in use is never evicted; a request whose adapter finds no slot waits
+(other requests are admitted past it). Adapters are opaque here (anything with a
+`content_hash`): the scheduler only says which slot to load with what, in the
+SchedulerOutput of the step that first uses it.
+
+    slots   [ A | B | - | C ]        running: uses A, C
+    place D -> slot 2 (free)         place E -> slot 1 (B: idle, least recent) -> load E
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+
+
+class LoRASlots:
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.holder: list[bytes | None] = [None] * max_loras  # slot -> adapter content hash
+        self.slot_of: dict[bytes, int] = {}
+        self._recent: OrderedDict[bytes, None] = OrderedDict()  # least recently placed first
+        self.num_loads = 0
+
+    def place(self, adapter, in_use: Callable[[], Iterable[bytes]]) -> tuple[int, bool] | None:
+        """The slot `adapter` is (or will be) in, and whether it must be loaded there
+        first; None while every slot holds an adapter that `in_use()` (the content hashes
+        of running requests' adapters) lists."""
+        key = adapter.content_hash
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self._recent.move_to_end(key)
+            return slot, False
+        if None in self.holder:
+            slot = self.holder.index(None)
+        else:
+            busy = set(in_use())
+            victim = next((k for k in self._recent if k not in busy), None)
+            if victim is None:
+                return None
+            slot = self.slot_of.pop(victim)
+            del self._recent[victim]
+        self.holder[slot] = key
+        self.slot_of[key] = slot
+        self._recent[key] = None
+        self.num_loads += 1
+        return slot, True
+
+    def check_invariants(self) -> None:
+        assert len(self.holder) == self.max_loras
+        assert {k: s for s, k in enumerate(self.holder) if k is not None} == self.slot_of
+        assert set(self._recent) == set(self.slot_of)
