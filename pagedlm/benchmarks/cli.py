@@ -138,7 +138,7 @@ def add_bench_parser(subparsers: Any) -> None:
     from pagedlm.entrypoints.cli import add_engine_args
 
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, "
-                                                "kv-waste, structured, spec-decode, plot")
+                                                "kv-waste, structured, spec-decode, lora, plot")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     tp = sub.add_parser("throughput", help="offline throughput: requests/s and tokens/s")
@@ -258,6 +258,14 @@ def add_bench_parser(subparsers: Any) -> None:
 
     add_arguments(sd)
     sd.set_defaults(func=_cmd("spec_decode"))
+
+    lo = sub.add_parser("lora", help="ShareGPT spread over several LoRA adapters against the "
+                                     "base model alone, and the cost of loading an adapter")
+    add_engine_args(lo)
+    from pagedlm.benchmarks.lora import add_arguments as add_lora_arguments
+
+    add_lora_arguments(lo)
+    lo.set_defaults(func=_cmd("lora"))
 
     plot = sub.add_parser("plot", help="PNG charts from result JSONs")
     plot.add_argument("kind", choices=["throughput", "latency", "kv-usage"],

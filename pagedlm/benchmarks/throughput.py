@@ -45,8 +45,10 @@ def throughput_figures(elapsed_s: float, num_requests: int, prompt_tokens: int,
 
 
 def run_pagedlm(llm: Any, requests: Sequence[SampleRequest], ignore_eos: bool = True,
-                use_tqdm: bool = True) -> dict[str, Any]:
-    """Generate every request with ``llm`` (a :class:`pagedlm.LLM`); count real tokens."""
+                use_tqdm: bool = True, lora_requests: Sequence[Any] | None = None
+                ) -> dict[str, Any]:
+    """Generate every request with ``llm`` (a :class:`pagedlm.LLM`); count real tokens.
+    `lora_requests`: each request's adapter (LoRARequest or None)."""
     from pagedlm import SamplingParams
 
     prompts: list[str | dict] = [
@@ -61,7 +63,7 @@ def run_pagedlm(llm: Any, requests: Sequence[SampleRequest], ignore_eos: bool = 
                  use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()  # the timed run must not hit the warm-up's prompt
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_requests)
     elapsed = time.perf_counter() - start
     # Count what the engine produced, not what was asked: an engine stopping early must
     # not look faster than it is.

@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 
 from pagedlm.config import EngineArgs
@@ -34,6 +35,7 @@ from pagedlm.engine.core_client import (
     CoreMessage,
     DashboardCommand,
     FinishCommand,
+    LoRACommand,
     ProcessCoreClient,
     ThreadCoreClient,
 )
@@ -42,6 +44,7 @@ from pagedlm.engine.frontend import EngineFrontend
 from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
+from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import RequestOutput
 from pagedlm.sampling_params import SamplingParams
 
@@ -108,6 +111,9 @@ class AsyncLLMEngine:
         # The latest dashboard snapshot (engine/dashboard.py), and who wants each new one.
         self.dashboard: DashboardSnapshot | None = None
         self._dashboard_listeners: list[Callable[[DashboardSnapshot], None]] = []
+        # LoRA adapters the core has accepted, by name (requests name them as their model).
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._next_lora_id = 1
         self.dead_error: EngineDeadError | None = None
         # Set by fail_requests(): new requests get this error too.
         self._refusal: RequestFailedError | None = None
@@ -215,6 +221,8 @@ class AsyncLLMEngine:
                 future.set_exception(ValueError(ack.message))
             elif ack.error_kind == "queue_full":
                 future.set_exception(QueueFullError(ack.message))
+            elif ack.error_kind == "not_found":
+                future.set_exception(LookupError(ack.message))
             else:
                 future.set_exception(RuntimeError(ack.message))
         if message.stats is not None:
@@ -280,8 +288,42 @@ class AsyncLLMEngine:
             self._abort(ids)
         return len(ids)
 
+    # ----- LoRA adapters (event loop only) ----------------------------------------------------
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.client.info.lora_enabled
+
+    async def add_lora(self, lora_name: str, lora_path: str) -> LoRARequest:
+        """Have the core read and check an adapter; requests may then name it. Raises
+        ValueError saying what is wrong with it (nothing changes then)."""
+        if lora_name in self.lora_requests:
+            raise ValueError(f"a LoRA adapter named {lora_name!r} is already loaded; unload "
+                             "it first")
+        lora_request = LoRARequest(lora_name, self._next_lora_id, lora_path)
+        self._next_lora_id += 1
+        await self._lora_command(add=lora_request)
+        self.lora_requests[lora_name] = lora_request
+        return lora_request
+
+    async def remove_lora(self, lora_name: str) -> None:
+        """Forget an adapter (requests using it finish with it). LookupError if unknown."""
+        await self._lora_command(remove=lora_name)
+        self.lora_requests.pop(lora_name, None)
+
+    async def _lora_command(self, **what) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        assert self._loop is not None, "AsyncLLMEngine.start() has not been called"
+        command_id = f"lora-command-{uuid.uuid4().hex}"
+        ack = self._loop.create_future()
+        self._acks[command_id] = ack
+        self.client.submit(LoRACommand(command_id, **what))
+        await ack
+
     def _add(self, stream: RequestStream, prompts: list[tuple[str, str | None, list[int]]],
-             params: SamplingParams, arrival_time: float) -> list[asyncio.Future]:
+             params: SamplingParams, arrival_time: float,
+             lora_name: str | None = None) -> list[asyncio.Future]:
         """Register and submit one request per (request_id, prompt, token ids), all or none:
         the core queues them together or rejects them together."""
         requests = []
@@ -289,7 +331,7 @@ class AsyncLLMEngine:
             for request_id, prompt, prompt_token_ids in prompts:
                 requests.append(self.frontend.make_request(
                     request_id, prompt, params, prompt_token_ids, RequestOutputKind.DELTA,
-                    arrival_time))
+                    arrival_time, lora_name=lora_name))
         except BaseException:
             for request in requests:
                 self.frontend.forget(request.request_id)
@@ -336,9 +378,11 @@ class RequestStream:
         await self.add_many([(request_id, prompt, prompt_token_ids)], params, arrival_time)
 
     async def add_many(self, prompts: Sequence[tuple[str, str | None, Sequence[int]]],
-                       params: SamplingParams, arrival_time: float | None = None) -> None:
+                       params: SamplingParams, arrival_time: float | None = None,
+                       lora_name: str | None = None) -> None:
         """Add one request per (request_id, prompt text or None, prompt token ids), all
-        or none: if the queue cannot take them all, none is queued (QueueFullError)."""
+        or none: if the queue cannot take them all, none is queued (QueueFullError).
+        `lora_name`: an adapter added with `add_lora` (None: the base model)."""
         engine = self._engine
         if self.closed:
             raise RuntimeError("the stream is closed")
@@ -348,7 +392,8 @@ class RequestStream:
             raise engine._refusal
         entries = [(request_id, prompt, list(ids)) for request_id, prompt, ids in prompts]
         acks = engine._add(self, entries, params,
-                           arrival_time if arrival_time is not None else time.monotonic())
+                           arrival_time if arrival_time is not None else time.monotonic(),
+                           lora_name)
         # Before waiting: if we are cancelled while waiting, close() still aborts them.
         for request_id, _, _ in entries:
             self._unfinished.add(request_id)

@@ -126,7 +126,8 @@ class EngineCore:
                                                   eos_token_ids)
         self.info = CoreInfo(max_model_len=self.max_model_len,
                              vocab_size=self.hf_config.vocab_size, device=str(self.device),
-                             num_blocks=num_blocks, block_size=spec.block_size)
+                             num_blocks=num_blocks, block_size=spec.block_size,
+                             lora_enabled=args.enable_lora)
         # user request id -> its live sequence ids; sequence id -> user request id
         self._live_seqs: dict[str, set[str]] = {}
         self._request_of: dict[str, str] = {}

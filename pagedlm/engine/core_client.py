@@ -34,6 +34,7 @@ from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_io import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest
 from pagedlm.engine.dashboard import SNAPSHOT_PERIOD_S, DashboardSnapshot
 from pagedlm.engine.stats import EngineStats
+from pagedlm.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,17 @@ class DashboardCommand:
     SNAPSHOT_PERIOD_S while any is open and the engine is busy); 0: one snapshot now."""
 
     watch: int = 0
+
+
+@dataclass
+class LoRACommand:
+    """Add an adapter (`add`) or forget one by name (`remove`); acked under `command_id`:
+    "invalid" with the reason if it cannot be added, "not_found" if there is no such
+    adapter to remove."""
+
+    command_id: str
+    add: LoRARequest | None = None
+    remove: str | None = None
 
 
 @dataclass
@@ -148,6 +160,8 @@ def _apply(core: EngineCore, command: object, message: CoreMessage,
         core.finish_sequences(command.seq_ids)
     elif isinstance(command, AddCommand):
         _add_all(core, command.requests, message, max_num_queued_requests)
+    elif isinstance(command, LoRACommand):
+        message.acks.append(_apply_lora(core, command))
     else:
         raise TypeError(f"unknown core command {command!r}")
 
@@ -185,6 +199,18 @@ def _add_all(core: EngineCore, requests: list[CoreRequest | CoreBeamRequest],
         reject("internal", f"{type(e).__name__}: {e}")
     else:
         message.acks.extend(Ack(request_id) for request_id in ids)
+
+
+def _apply_lora(core: EngineCore, command: LoRACommand) -> Ack:
+    if command.add is not None:
+        try:
+            core.loras.add(command.add)
+        except ValueError as e:
+            return Ack(command.command_id, "invalid", str(e))
+    elif not core.loras.remove(command.remove):
+        return Ack(command.command_id, "not_found",
+                   f"there is no LoRA adapter named {command.remove!r}")
+    return Ack(command.command_id)
 
 
 def _drain(commands: queue.SimpleQueue, block: bool) -> list:

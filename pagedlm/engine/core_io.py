@@ -80,3 +80,4 @@ class CoreInfo:
     device: str
     num_blocks: int
     block_size: int
+    lora_enabled: bool = False

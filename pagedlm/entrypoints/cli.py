@@ -61,6 +61,14 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (also prompt_lookup_min, '
                         'prompt_lookup_max, disable_by_batch_size); outputs are unchanged')
+    g.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (PEFT format) over the base model, chosen per "
+                        "request and mixed in one batch")
+    g.add_argument("--max-loras", type=int, default=1,
+                   help="LoRA adapters resident at once (others load on demand, least "
+                        "recently used out)")
+    g.add_argument("--max-lora-rank", type=int, default=16,
+                   help="highest adapter rank accepted (slots are sized for it)")
     g.add_argument("--kv-cache-memory", type=_parse_bytes, default=None,
                    help="KV cache size in bytes (suffixes K/M/G accepted); CPU default 2G")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -108,7 +116,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         kv_cache_dtype=args.kv_cache_dtype, weight_dtype=args.weight_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
-        speculative_config=args.speculative_config,
+        speculative_config=args.speculative_config, enable_lora=args.enable_lora,
+        max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
     )
 
 
@@ -211,6 +220,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients pass as \"model\" (default: the model argument)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT directories) to serve under these model names "
+                        "(with --enable-lora; more can be added with POST "
+                        "/v1/load_lora_adapter)")
     g.add_argument("--api-key", default=os.environ.get("PAGEDLM_API_KEY") or None,
                    help="require 'Authorization: Bearer KEY' on every endpoint but /health "
                         "(default: $PAGEDLM_API_KEY; none = open)")

@@ -34,6 +34,12 @@ from pagedlm.entrypoints.openai.errors import (
 )
 from pagedlm.entrypoints.openai.http_protocol import openai_http_protocol
 from pagedlm.entrypoints.openai.lifecycle import DrainingServer, DrainMiddleware
+from pagedlm.entrypoints.openai.lora_routes import (
+    adapter_cards,
+    add_adapter,
+    add_lora_routes,
+    parse_lora_modules,
+)
 from pagedlm.entrypoints.openai.metrics import ServerMetrics
 from pagedlm.entrypoints.openai.openapi import refine_openapi
 from pagedlm.entrypoints.openai.protocol import (
@@ -75,8 +81,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
               api_key: str | None = None, allowed_origins: Sequence[str] = (),
               max_request_body_size: int = DEFAULT_MAX_REQUEST_BODY_SIZE,
               max_tokens_default: int = DEFAULT_MAX_TOKENS,
-              tool_call_parser: str = "auto", enable_dashboard: bool = True) -> FastAPI:
-    """The OpenAI-compatible app. Its lifespan starts and stops the engine."""
+              tool_call_parser: str = "auto", enable_dashboard: bool = True,
+              lora_modules: Sequence[tuple[str, str]] = ()) -> FastAPI:
+    """The OpenAI-compatible app. Its lifespan starts and stops the engine (and loads
+    `lora_modules`, (name, path) adapters, first)."""
     serving = Serving(engine, served_model_names, max_tokens_default, tool_call_parser)
     completions = CompletionServing(serving)
     chat = ChatServing(serving)
@@ -88,6 +96,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start()
         try:
+            for name, path in lora_modules:
+                await add_adapter(engine, serving, name, path)
             yield
         finally:
             engine.shutdown()
@@ -128,12 +138,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models() -> ModelList:
-        return ModelList(data=[model_card(name) for name in serving.served_model_names])
+        return ModelList(data=[model_card(name) for name in serving.served_model_names]
+                         + adapter_cards(engine, serving))
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def retrieve_model(model_id: str) -> ModelCard:
         serving.check_model(model_id)
-        return model_card(model_id)
+        return next((c for c in adapter_cards(engine, serving) if c.id == model_id),
+                    None) or model_card(model_id)
 
     @app.get("/metrics", response_class=PlainTextResponse,
              responses={200: {"content": {"text/plain": {}},
@@ -178,6 +190,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: Sequence[str], *,
 
     if hub is not None:
         add_dashboard_routes(app, hub)
+    if engine.lora_enabled:
+        add_lora_routes(app, engine, serving)
     return app
 
 
@@ -229,6 +243,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     if not args.api_key and not _is_loopback(args.host):
         logger.warning("listening on %s without --api-key: anyone who can reach this address "
                        "can use the model", args.host)
+    lora_modules = parse_lora_modules(args.lora_modules or [])
+    if lora_modules and not engine_kwargs.get("enable_lora"):
+        raise ValueError("--lora-modules needs --enable-lora")
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests)
@@ -243,7 +260,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
                     max_request_body_size=args.max_request_body_size,
                     max_tokens_default=args.max_tokens_default,
                     tool_call_parser=args.tool_call_parser,
-                    enable_dashboard=not args.disable_dashboard)
+                    enable_dashboard=not args.disable_dashboard, lora_modules=lora_modules)
     host = args.host
     url_host = f"[{host}]" if ":" in host else host
     stats = engine.stats

@@ -404,7 +404,17 @@ class ModelCard(ResponseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedlm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1, max_length=4096)
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    lora_name: str = Field(min_length=1, max_length=256)
 
 
 class ModelList(ResponseModel):

@@ -97,11 +97,19 @@ class Serving:
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     def check_model(self, model: str | None) -> str:
+        """The name a response reports: the base model's, or the LoRA adapter's that
+        `model` names. 404 for any other name."""
         if model is None or model in self.served_model_names:
             return self.model_name
+        if model in self.engine.lora_requests:
+            return model
+        names = [*self.served_model_names, *self.engine.lora_requests]
         raise APIError(404, f"the model '{model}' does not exist; this server serves "
-                       f"{', '.join(self.served_model_names)}", param="model",
-                       code="model_not_found")
+                       f"{', '.join(names)}", param="model", code="model_not_found")
+
+    def lora_name(self, model: str) -> str | None:
+        """The adapter a checked model name selects (None: the base model)."""
+        return model if model in self.engine.lora_requests else None
 
     def _require_tokenizer(self, param: str = "prompt"):
         if self.tokenizer is None:
@@ -194,7 +202,7 @@ class Serving:
 
     async def start(self, request_id: str, prompts: Sequence[tuple[str | None, list[int]]],
                     params: SamplingParams, arrival_time: float,
-                    prompt_param: str = "prompt") -> RequestStream:
+                    prompt_param: str = "prompt", model: str | None = None) -> RequestStream:
         """Add one engine request per prompt ("{request_id}-{i}"); all or nothing. What the
         engine rejects is a 400 on `prompt_param`."""
         limit = self.engine.max_num_queued_requests
@@ -208,7 +216,8 @@ class Serving:
         try:
             await stream.add_many([(f"{request_id}-{i}", text, token_ids)
                                    for i, (text, token_ids) in enumerate(prompts)],
-                                  params, arrival_time)
+                                  params, arrival_time,
+                                  None if model is None else self.lora_name(model))
         except ValueError as e:
             stream.close()
             raise bad_request(str(e), param=prompt_param) from e

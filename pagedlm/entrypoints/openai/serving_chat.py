@@ -115,7 +115,7 @@ class ChatServing:
             params.max_tokens = s.default_max_tokens(len(token_ids), params.min_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await s.start(request_id, [(prompt, token_ids)], params, arrival_time,
-                               prompt_param="messages")
+                               prompt_param="messages", model=model)
         tool_format = s.tool_format if tools is not None and tools.parse else None
         job = _Job(request_id, model, len(token_ids), params.n, num_logprobs, tool_format)
         if req.stream:

@@ -106,7 +106,7 @@ class CompletionServing:
             prompts = [(text if text is not None else await s.detokenize(ids), ids)
                        for text, ids in prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await s.start(request_id, prompts, params, arrival_time)
+        stream = await s.start(request_id, prompts, params, arrival_time, model=model)
         job = _Job(request_id, model, prompts, params.n, echo, req.logprobs, s)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
