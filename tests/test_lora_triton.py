@@ -74,7 +74,7 @@ def make_weights(in_features, slices, ranks, max_rank, dtype, seed=0):
 
 def check(x, w, step, slots, dtype):
     step.set(np.array(slots))
-    y = torch.randn(x.shape[0], w.b.shape[1], generator=torch.Generator().manual_seed(2))
+    y = torch.randn(x.shape[0], w.slices[-1][1], generator=torch.Generator().manual_seed(2))
     y = y.to(DEVICE, dtype)
     want = y.clone()
     lora_reference(x, want, w, step)

@@ -44,8 +44,8 @@ def _cpu_tag() -> str:
 # Kernel files llama_decode_cpu.cpp #includes: no module of their own, the decoder's
 # exports their functions (each file's bind_<stem>).
 BUNDLED = {stem: "llama_decode_cpu" for stem in (
-    "block_gemv_cpu", "layer_ops_cpu", "paged_attention_cpu", "panel_gemm_cpu", "q8_gemm_cpu",
-    "shm_allreduce_cpu")}
+    "block_gemv_cpu", "layer_ops_cpu", "lora_cpu", "paged_attention_cpu", "panel_gemm_cpu",
+    "q8_gemm_cpu", "shm_allreduce_cpu")}
 
 
 def kernel_stems() -> list[str]:

@@ -13,6 +13,9 @@
 //   x = o @ Wo.T (+ b);  h, residual = rms_norm(x + residual)
 //   x = down(silu_and_mul(gate_up(h)))
 //
+// With LoRA adapters in the step, each of the four matmuls is followed by its layer's
+// multi-adapter delta (lora_cpu.cpp, the slots of layers/lora.py), before the ranks' sum.
+//
 // and after the last layer the model's final norm. Every kernel writes into activation
 // buffers the decoder keeps from step to step (Workspace, below), not into new tensors.
 // The model's Python layers
@@ -23,6 +26,7 @@
 // (csrc/__init__.py BUNDLED), so their code compiles once.
 #include "block_gemv_cpu.cpp"
 #include "layer_ops_cpu.cpp"
+#include "lora_cpu.cpp"
 #include "paged_attention_cpu.cpp"
 #include "panel_gemm_cpu.cpp"
 #include "q8_gemm_cpu.cpp"
@@ -130,9 +134,16 @@ struct Workspace {
   }
 };
 
+// A matmul's LoRA adapter slots (layers/lora.py's LoRAWeights), if LoRA is on.
+struct LoraSlots {
+  torch::Tensor a, b, bounds, ranks;
+  bool on = false;
+};
+
 struct Layer {
   torch::Tensor input_norm, post_norm;
   std::vector<Linear> linears;  // qkv, o, gate_up, down
+  std::array<LoraSlots, 4> lora;
   int64_t window = 0;  // 0: full attention
   torch::Tensor k_cache, v_cache;
   // The softmax scale the query is multiplied by; with a float8 cache also its K / V
@@ -311,6 +322,7 @@ class LlamaDecoder {
       }
       clock.lap(kNorms);
       layer.linears[0](h, qkv);  // [n, q_size + 2 kv_size]
+      apply_lora(layer, 0, h, qkv);
       clock.lap(kQkv);
       rotary_into(qkv.narrow(1, 0, q_size).view({n, num_heads_, head_dim_}), pos, cos_, sin_, q);
       rotary_into(qkv.narrow(1, q_size, kv_size).view({n, num_kv_heads_, head_dim_}), pos, cos_, sin_, k);
@@ -328,16 +340,19 @@ class LlamaDecoder {
       }
       clock.lap(kAttention);
       layer.linears[1](attn.view({n, q_size}), xb);
+      apply_lora(layer, 1, attn.view({n, q_size}), xb);
       if (world_ > 1) round_ = all_reduce_rounds(comm_, rank_, round_, x_p, n * hidden, timeout_ms_);
       clock.lap(kO);
       rms_norm_rows(x_p, layer.post_norm.data_ptr<float>(), eps_, res_p, res_p,
                     h_p, n, hidden);
       clock.lap(kNorms);
       layer.linears[2](h, gate_up);
+      apply_lora(layer, 2, h, gate_up);
       clock.lap(kGateUp);
       silu_and_mul_rows(gate_up.data_ptr<float>(), act.data_ptr<float>(), n, act.size(1));
       clock.lap(kSilu);
       layer.linears[3](act, xb);
+      apply_lora(layer, 3, act, xb);
       if (world_ > 1) round_ = all_reduce_rounds(comm_, rank_, round_, x_p, n * hidden, timeout_ms_);
       clock.lap(kDown);
     }
@@ -368,6 +383,17 @@ class LlamaDecoder {
   int64_t round() const { return round_; }
   void set_round(int64_t round) { round_ = round; }
 
+  // LoRA: the adapter slots of layer `layer`'s matmul `which` (0 qkv, 1 o, 2 gate_up,
+  // 3 down), as layers/lora.py keeps them (the same tensors: loads reach the decoder).
+  void set_lora(int64_t layer, int64_t which, torch::Tensor a, torch::Tensor b,
+                torch::Tensor bounds, torch::Tensor ranks) {
+    TORCH_CHECK(0 <= layer && layer < static_cast<int64_t>(layers_.size()) && 0 <= which &&
+                    which < 4, "no such layer or matmul");
+    layers_[layer].lora[which] = LoraSlots{a, b, bounds, ranks, true};
+  }
+  // Each token's adapter slot for the next forward (-1: none), or None: no adapter.
+  void set_lora_slots(c10::optional<torch::Tensor> slots) { lora_slots_ = slots; }
+
   // Time spent per part of the layers since profiling was turned on (seconds), by name.
   void set_profile(bool on) {
     profile_ = on;
@@ -380,11 +406,17 @@ class LlamaDecoder {
   }
 
  private:
+  void apply_lora(Layer& layer, int which, const torch::Tensor& in, torch::Tensor& out) {
+    const LoraSlots& l = layer.lora[which];
+    if (lora_slots_ && l.on) pagedlm_lora::lora_add(in, out, l.a, l.b, l.bounds, *lora_slots_, l.ranks);
+  }
+
   int64_t num_heads_, num_kv_heads_, head_dim_;
   float eps_;  // as the RMSNorm kernel takes it
   torch::Tensor cos_, sin_, final_norm_;
   std::vector<Layer> layers_;
   Workspace ws_;
+  c10::optional<torch::Tensor> lora_slots_;
   bool profile_ = false;
   std::array<double, kParts> seconds_{};
   torch::Tensor comm_segment_;  // keeps the mapping alive
@@ -395,6 +427,7 @@ class LlamaDecoder {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_block_gemv_cpu(m);
   bind_layer_ops_cpu(m);
+  bind_lora_cpu(m);
   bind_paged_attention_cpu(m);
   bind_panel_gemm_cpu(m);
   bind_q8_gemm_cpu(m);
@@ -411,6 +444,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_layer", &LlamaDecoder::add_layer)
       .def("forward", &LlamaDecoder::forward)
       .def("set_all_reduce", &LlamaDecoder::set_all_reduce)
+      .def("set_lora", &LlamaDecoder::set_lora)
+      .def("set_lora_slots", &LlamaDecoder::set_lora_slots)
       .def("round", &LlamaDecoder::round)
       .def("set_round", &LlamaDecoder::set_round)
       .def("set_profile", &LlamaDecoder::set_profile)

@@ -44,6 +44,7 @@ class BeamGroup:
     prompt_token_ids: list[int]
     params: BeamSearchParams
     eos_token_ids: tuple[int, ...]
+    lora: object | None = None  # every beam's LoRA adapter (lora.adapter.LoRAAdapter)
     beams: dict[str, float] = field(default_factory=dict)  # live request id -> cum logprob
     requests: dict[str, Request] = field(default_factory=dict)
     candidates: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
@@ -71,10 +72,11 @@ class BeamSearchDriver:
         self.owner: dict[str, BeamGroup] = {}  # beam request id -> group
         self.group_ids: dict[int, str] = {}  # id(group) -> user request id
 
-    def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+    def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
+            lora=None) -> None:
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = BeamGroup(list(prompt_token_ids), params, self.eos_token_ids)
+        group = BeamGroup(list(prompt_token_ids), params, self.eos_token_ids, lora)
         request = self._new_request(group, group.prompt_token_ids)
         self.scheduler.add_request(request)
         self.groups[request_id] = group
@@ -122,7 +124,7 @@ class BeamSearchDriver:
         params.logprobs = group.num_candidates
         return Request(f"beam-{next(self._ids)}", token_ids, params, seed=0,
                        eos_token_ids=self.eos_token_ids,
-                       max_tokens=group.params.max_tokens)
+                       max_tokens=group.params.max_tokens, lora=group.lora)
 
     @staticmethod
     def _track(group: BeamGroup, owner: dict, request: Request, cum: float) -> None:

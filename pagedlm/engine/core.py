@@ -196,7 +196,8 @@ class EngineCore:
     def add_beam_request(self, request: CoreBeamRequest) -> None:
         if request.request_id in self._live_seqs or self.beam_search.has(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
-        self.beam_search.add(request.request_id, request.prompt_token_ids, request.params)
+        lora = None if request.lora_name is None else self.loras.get(request.lora_name)
+        self.beam_search.add(request.request_id, request.prompt_token_ids, request.params, lora)
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End user requests (every sequence, or the beam search); their blocks go back to

@@ -36,6 +36,7 @@ class CoreBeamRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: BeamSearchParams
+    lora_name: str | None = None
 
 
 @dataclass

@@ -93,7 +93,8 @@ class EngineFrontend:
                 ignore_eos=params.ignore_eos, temperature=params.temperature,
                 length_penalty=params.length_penalty)
             return self.make_beam_request(request_id, prompt_token_ids, beam_params, prompt=prompt,
-                                          num_returned=params.n, arrival_time=arrival)
+                                          num_returned=params.n, arrival_time=arrival,
+                                          lora_name=lora_name)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.info.max_model_len - len(prompt_token_ids)
@@ -113,7 +114,8 @@ class EngineFrontend:
     def make_beam_request(self, request_id: str, prompt_token_ids: list[int],
                           params: BeamSearchParams, prompt: str | None = None,
                           num_returned: int | None = None,
-                          arrival_time: float | None = None) -> CoreBeamRequest:
+                          arrival_time: float | None = None,
+                          lora_name: str | None = None) -> CoreBeamRequest:
         """A beam search; its RequestOutput (the best `num_returned` beams, default all)
         comes when the search ends, with the full BeamSearchOutput in
         `output.extra["beam_search"]`."""
@@ -122,7 +124,7 @@ class EngineFrontend:
         self.validate_prompt(prompt_token_ids, SamplingParams(max_tokens=params.max_tokens))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._beam_requests[request_id] = (prompt, num_returned or params.beam_width, arrival)
-        return CoreBeamRequest(request_id, list(prompt_token_ids), params)
+        return CoreBeamRequest(request_id, list(prompt_token_ids), params, lora_name)
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         num = len(prompt_token_ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from pagedlm.lora.adapter import LoRAAdapter, load_adapter
 from pagedlm.lora.request import LoRARequest
@@ -32,7 +33,8 @@ class LoRARegistry:
         name = lora_request.lora_name
         known = self.adapters.get(name)
         if known is not None:
-            if (known.path, known.int_id) == (lora_request.lora_path, lora_request.lora_int_id):
+            if (Path(known.path), known.int_id) == (Path(lora_request.lora_path),
+                                                    lora_request.lora_int_id):
                 return known
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded (id "
                              f"{known.int_id}, {known.path}); unload it first")

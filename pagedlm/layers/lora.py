@@ -5,21 +5,24 @@ One adapted layer, `max_loras` slots, S slices (q / k / v of a fused QKV project
 gate / up of a fused MLP projection, else one), rank padded to R = max_lora_rank:
 
     a  [max_loras, S, R, in]      slice s of slot l: A of the module feeding rows lo_s:hi_s
-    b  [max_loras, out, R]        rows lo_s:hi_s hold slice s's B (scale folded in)
-    ranks [max_loras]             columns of b (rows of a) in use; 0: an empty slot
+    b  [max_loras, R, out]        B transposed: columns lo_s:hi_s hold slice s's B^T
+                                  (scale folded in)
+    ranks [max_loras]             rows of a and b in use; 0: an empty slot
 
-    y[t, lo_s:hi_s] += b[l, lo_s:hi_s, :r] @ (a[l, s, :r] @ x[t])      l = slot of token t
+    y[t, lo_s:hi_s] += (a[l, s, :r] @ x[t]) @ b[l, :r, lo_s:hi_s]      l = slot of token t
 
-The slices' row ranges are disjoint, so one `b` holds them all without the zero blocks a
-block-diagonal B would multiply. Tensor parallelism: a column-parallel layer keeps the
+The slices' output ranges are disjoint, so one `b` holds them all without the zero
+blocks a block-diagonal B would multiply; transposed, so that a token's expand is r
+contiguous multiply-adds over its output row rather than `out` short dot products. Tensor parallelism: a column-parallel layer keeps the
 whole A and its own rows of B; a row-parallel layer keeps its own columns of A and the
 whole B, and its partial delta x_r A_r^T B^T is added before the all-reduce sums the
 ranks, which adds up to the full delta with no collective of its own.
 
 Kernels, all with one signature and checked against `lora_reference`: a grouped torch
 path (a GEMM pair per adapter of the step), a C++ kernel for float32 on CPU
-(csrc/lora_cpu.cpp) and a Triton kernel for CUDA (layers/lora_triton.py). Which one a
-layer uses is decided when it is built.
+(csrc/lora_cpu.cpp: token by token, for decodes) combined with the grouped GEMMs for
+prompt chunks (`lora_cpu`), and a Triton kernel for CUDA (layers/lora_triton.py). Which
+one a layer uses is decided when it is built.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ class LoRAStep:
         self.token_slots: torch.Tensor | None = None  # [num_tokens] int32, -1: none
         self._slots_np: np.ndarray | None = None
         self._groups: list[tuple[int, torch.Tensor | slice]] | None = None
+        self._split: tuple | None = None
 
     def set(self, token_slots: np.ndarray | None) -> None:
         """`token_slots`: [num_tokens] slot per token (-1 for the base model), or None."""
-        self._groups = None
+        self._groups = self._split = None
         if token_slots is None or not (token_slots >= 0).any():
             self.active, self.token_slots, self._slots_np = False, None, None
             return
@@ -72,6 +76,25 @@ class LoRAStep:
             self._groups = groups
         return self._groups
 
+    def split(self, min_run: int) -> tuple[list[tuple[int, slice]], torch.Tensor | None]:
+        """The step's tokens in two parts: runs of at least `min_run` consecutive tokens
+        of one adapter (a prompt chunk: one GEMM pair each), and the slots of the others
+        with those runs' tokens at -1 (None if no other token has an adapter)."""
+        if self._split is None:
+            slots = self._slots_np
+            change = np.flatnonzero(np.diff(slots)) + 1
+            starts = np.concatenate(([0], change))
+            ends = np.concatenate((change, [len(slots)]))
+            runs = [(int(slots[a]), slice(int(a), int(b))) for a, b in zip(starts, ends)
+                    if slots[a] >= 0 and b - a >= min_run]
+            rest = slots.copy()
+            for _, tokens in runs:
+                rest[tokens] = -1
+            rest_t = (torch.from_numpy(rest.astype(np.int32)).to(self.device)
+                      if (rest >= 0).any() else None)
+            self._split = (runs, rest_t)
+        return self._split
+
 
 # kernel(x [T, in], y [T, out] (added to in place), weights, step)
 LoRAKernel = Callable[[torch.Tensor, torch.Tensor, "LoRAWeights", LoRAStep], None]
@@ -88,23 +111,23 @@ def lora_reference(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAS
         xt = x[t].double()
         for s, (lo, hi) in enumerate(w.slices):
             h = w.a[slot, s, :r].double() @ xt  # [r]
-            y[t, lo:hi] += (w.b[slot, lo:hi, :r].double() @ h).to(y.dtype)
+            y[t, lo:hi] += (h @ w.b[slot, :r, lo:hi].double()).to(y.dtype)
 
 
-def lora_grouped(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStep) -> None:
-    """A GEMM pair per adapter in the step (and slice), over that adapter's tokens."""
+def _grouped(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights,
+             groups: list[tuple[int, torch.Tensor | slice]]) -> None:
     ranks = w.ranks_list
     num_slices = len(w.slices)
-    for slot, tokens in step.groups:
+    for slot, tokens in groups:
         r = ranks[slot]
         if r == 0:
             continue
         xs = x[tokens]  # [n, in]
         h = xs @ w.a[slot, :, :r].reshape(num_slices * r, -1).T  # [n, S * r]
         if num_slices == 1:
-            delta = h @ w.b[slot, :, :r].T  # [n, out]
+            delta = h @ w.b[slot, :r]  # [n, out]
         else:
-            delta = torch.cat([h[:, s * r:(s + 1) * r] @ w.b[slot, lo:hi, :r].T
+            delta = torch.cat([h[:, s * r:(s + 1) * r] @ w.b[slot, :r, lo:hi]
                                for s, (lo, hi) in enumerate(w.slices)], dim=1)  # [n, out]
         if isinstance(tokens, slice):
             y[tokens] += delta
@@ -112,9 +135,24 @@ def lora_grouped(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRASte
             y.index_add_(0, tokens, delta)
 
 
+def lora_grouped(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStep) -> None:
+    """A GEMM pair per adapter in the step (and slice), over that adapter's tokens."""
+    _grouped(x, y, w, step.groups)
+
+
+# Consecutive tokens of one adapter from which a GEMM pair beats the token-by-token kernel
+# (a prompt chunk; decodes are single tokens).
+MIN_GEMM_RUN = 16
+
+
 def lora_cpu(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStep) -> None:
-    """csrc/lora_cpu.cpp: tokens in parallel, each through its own slot's A and B."""
-    w.kernels.lora_add(x, y, w.a, w.b, w.bounds, step.token_slots, w.ranks)
+    """Prompt chunks as GEMM pairs (`_grouped`), every other token through
+    csrc/lora_cpu.cpp: tokens in parallel, each through its own slot's A and B."""
+    runs, rest = step.split(MIN_GEMM_RUN)
+    if rest is not None:
+        w.kernels.lora_add(x, y, w.a, w.b, w.bounds, rest, w.ranks)
+    if runs:
+        _grouped(x, y, w, runs)
 
 
 def choose_kernel(device: torch.device, dtype: torch.dtype) -> tuple[LoRAKernel, object]:
@@ -142,7 +180,7 @@ class LoRAWeights:
         self.step = step
         self.a = torch.zeros(max_loras, len(slices), max_rank, in_features, dtype=dtype,
                              device=device)
-        self.b = torch.zeros(max_loras, slices[-1][1], max_rank, dtype=dtype, device=device)
+        self.b = torch.zeros(max_loras, max_rank, slices[-1][1], dtype=dtype, device=device)
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)
         self.ranks_list = [0] * max_loras
         self.bounds = torch.tensor(slices, dtype=torch.int64, device=device)  # [S, 2]
@@ -163,7 +201,7 @@ class LoRAWeights:
         r = a.shape[0]
         assert b_rows.shape == (hi - lo, r), (b_rows.shape, (hi - lo, r))
         self.a[slot, s, :r] = a
-        self.b[slot, lo:hi, :r] = b_rows
+        self.b[slot, :r, lo:hi] = b_rows.T
         self._set_rank(slot, max(self.ranks_list[slot], r))
 
     def _set_rank(self, slot: int, r: int) -> None:

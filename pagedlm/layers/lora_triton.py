@@ -5,7 +5,8 @@ Layout (see `lora.py`): S slices, rank padded to R, `max_loras` slots,
     x      [T, in]                   the layer's input, one row per token
     y      [T, out]                  its output, the delta added in place
     a      [max_loras, S, R, in]     rows r >= ranks[l] of slot l are zeros
-    b      [max_loras, out, R]       rows lo_s:hi_s hold slice s's B
+    b      [max_loras, R, out]       B transposed: columns lo_s:hi_s hold slice s's B^T
+                                     (passed with strides as the view [max_loras, out, R])
     ranks  [max_loras] int32         0: an empty slot
     bounds [S, 2] int64              slice s covers output rows lo_s:hi_s
     slots  [T] int32                 each token's slot, -1: no adapter
@@ -128,7 +129,7 @@ def lora_triton(x: torch.Tensor, y: torch.Tensor, w: LoRAWeights, step: LoRAStep
     _expand_kernel[(num_tokens, num_slices, triton.cdiv(widest, block_n))](
         y, w.b, h, slots, w.ranks, w.bounds,
         y.stride(0), y.stride(1),
-        *w.b.stride(),
+        *w.b.transpose(1, 2).stride(),
         h.stride(0), h.stride(1),
         BLOCK_R=block_r, BLOCK_N=block_n,
     )

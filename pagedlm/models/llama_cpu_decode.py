@@ -124,6 +124,7 @@ class LlamaCpuDecoder:
         attn0 = inner.layers[0].self_attn
         rotary = attn0.rotary_emb
         self.embed_tokens = inner.embed_tokens
+        self._lora_layers: list = []
         self.decoder = kernels.LlamaDecoder(
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, float(inner.norm.eps),
             rotary.cos_cache, rotary.sin_cache, inner.norm.weight.data,
@@ -141,6 +142,13 @@ class LlamaCpuDecoder:
                 a.k_cache, a.v_cache, a.scale * a.k_scale if fp8_max else a.scale,
                 a.k_scale_inv, a.v_scale_inv, a.v_scale, fp8_max or 0.0,
             )
+
+            for which, lin in enumerate(linears):
+                if lin.lora is not None:  # LoRA slots: the layer's own tensors
+                    w = lin.lora
+                    self.decoder.set_lora(len(self._lora_layers), which, w.a, w.b, w.bounds,
+                                          w.ranks)
+            self._lora_layers.append(layer)
 
         # Tensor parallel: the decoder continues the shared-memory all-reduce's rounds.
         self.comm = shm_all_reduce() if get_tp_group().size > 1 else None
@@ -160,8 +168,11 @@ class LlamaCpuDecoder:
         return cls(model, kernels), "every decoder layer"
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:  # [num_tokens, hidden]
+                 meta: AttentionMetadata, lora_slots: torch.Tensor | None = None
+                 ) -> torch.Tensor:  # [num_tokens, hidden]
+        """`lora_slots`: [num_tokens] int32 adapter slot per token (-1: none), or None."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
+        self.decoder.set_lora_slots(lora_slots)
         if self.comm is None:
             return self.decoder.forward(x.contiguous(), positions.contiguous(),
                                         meta.slot_mapping.contiguous(),

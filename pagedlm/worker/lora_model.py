@@ -79,50 +79,74 @@ class LoRAModel:
     def plan(self, adapter: LoRAAdapter) -> list[Write]:
         """Every write `adapter` needs, checked against the model; ValueError naming the
         module otherwise."""
-        writes: list[Write] = []
         transposed = bool(getattr(self.model, "conv1d_weights", False))
+        # Where each module's B goes (and, for row-parallel layers, A), in one pass of
+        # the model's loader over all of them.
+        routes = self._route({(name, "B"): m.b for name, m in adapter.modules.items()},
+                             transposed, adapter.name)
+        row_modules = {name for (name, _), hits in routes.items()
+                       if any(isinstance(layer, RowParallelLinear) for layer, _, _ in hits)}
+        routes.update(self._route({(name, "A"): adapter.modules[name].a for name in row_modules},
+                                  transposed, adapter.name))
+        writes: list[Write] = []
         for name, module in adapter.modules.items():
             try:
-                writes.extend(self._plan_module(name, module.a, module.b, transposed))
+                writes.extend(self._plan_module(module.a, module.b, routes[name, "B"],
+                                                routes.get((name, "A"))))
             except ValueError as e:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: module {name!r}: {e}") from None
         return writes
 
-    def _route(self, name: str, tensor: torch.Tensor, transposed: bool) -> list[tuple]:
-        """(layer, the tensor as the model's loader hands it to the layer, shard id) for
-        `tensor` loaded as checkpoint weight `name`.weight."""
-        records: list[tuple] = []
+    def _route(self, tensors: dict[tuple[str, str], torch.Tensor], transposed: bool,
+               adapter_name: str) -> dict[tuple[str, str], list[tuple]]:
+        """For each tensor loaded as checkpoint weight `<module>.weight`: [(layer, the
+        tensor as the model's loader hands it to the layer, shard id)]."""
+        records: dict[tuple[str, str], list[tuple]] = {key: [] for key in tensors}
+        current: list[tuple[str, str]] = []
+
+        def feed():
+            for key, tensor in tensors.items():
+                current[:] = [key]
+                yield f"{key[0]}.weight", tensor.t() if transposed else tensor
+
         saved = []
         for param in self.model.parameters():
             saved.append((param, param.__dict__.get("weight_loader")))
             param.weight_loader = (lambda p, loaded, shard_id=None:
-                                   records.append((p, loaded, shard_id)))
+                                   records[current[0]].append((p, loaded, shard_id)))
         try:
-            self.model.load_weights([(f"{name}.weight", tensor.t() if transposed else tensor)])
+            self.model.load_weights(feed())
         except (ValueError, RuntimeError, KeyError) as e:
-            raise ValueError(f"the model has no such linear layer ({e})") from None
+            where = f"module {current[0][0]!r}: " if current else ""
+            raise ValueError(f"LoRA adapter {adapter_name!r}: {where}the model has no such "
+                             f"linear layer ({e})") from None
         finally:
             for param, loader in saved:
                 if loader is None:
                     del param.weight_loader
                 else:
                     param.weight_loader = loader
-        routed = []
-        for param, loaded, shard_id in records:
-            layer = self._owner.get(id(param))
-            if layer is None or param is not layer.weight:
-                raise ValueError("it is not a linear projection pagedlm can adapt (only the "
-                                 "attention and MLP projections are)")
-            routed.append((layer, loaded, shard_id))
-        if not routed:
-            raise ValueError("the model has no such linear layer")
-        return routed
+        routes = {}
+        for key, hits in records.items():
+            routed = []
+            for param, loaded, shard_id in hits:
+                layer = self._owner.get(id(param))
+                if layer is None or param is not layer.weight:
+                    raise ValueError(f"LoRA adapter {adapter_name!r}: module {key[0]!r} is not "
+                                     "a linear projection pagedlm can adapt (only the attention "
+                                     "and MLP projections are)")
+                routed.append((layer, loaded, shard_id))
+            if not routed:
+                raise ValueError(f"LoRA adapter {adapter_name!r}: module {key[0]!r}: the model "
+                                 "has no such linear layer")
+            routes[key] = routed
+        return routes
 
-    def _plan_module(self, name: str, a: torch.Tensor, b: torch.Tensor,
-                     transposed: bool) -> list[Write]:
+    def _plan_module(self, a: torch.Tensor, b: torch.Tensor, routed_b: list[tuple],
+                     routed_a: list[tuple] | None) -> list[Write]:
         rank = a.shape[0]
         writes = []
-        for layer, loaded_b, shard_id in self._route(name, b, transposed):
+        for layer, loaded_b, shard_id in routed_b:
             weights = self.layers[layer]
             if shard_id not in self._shard_slice[layer]:
                 raise ValueError(f"unexpected shard {shard_id!r} of {type(layer).__name__}")
@@ -130,20 +154,19 @@ class LoRAModel:
             lo, hi = weights.slices[s]
             if isinstance(layer, RowParallelLinear):
                 # B is whole on every rank; A is cut along its input like the weight.
-                routed_a = self._route(name, a, transposed)
-                assert len(routed_a) == 1 and routed_a[0][0] is layer
+                assert routed_a is not None and len(routed_a) == 1 and routed_a[0][0] is layer
                 a_local = torch.zeros(rank, layer.in_features)
                 b_rows = b
-                loader, loaded, target = layer.weight_loader, routed_a[0][1], a_local
+                loaded, target = routed_a[0][1], a_local
             else:
                 if a.shape[1] != layer.in_features:
                     raise ValueError(f"lora_A has {a.shape[1]} input features, the layer "
                                      f"{layer.in_features}")
                 a_local = a
                 b_rows = torch.zeros(layer.out_features, rank)
-                loader, loaded, target = layer.weight_loader, loaded_b, b_rows
+                loaded, target = loaded_b, b_rows
             try:
-                loader(target, loaded.float(), shard_id)
+                layer.weight_loader(target, loaded.float(), shard_id)
             except (ValueError, RuntimeError) as e:
                 raise ValueError(f"its shape does not fit the layer ({e})") from None
             if not isinstance(layer, RowParallelLinear):

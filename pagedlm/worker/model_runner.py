@@ -281,8 +281,9 @@ class ModelRunner:
         inputs = self.prepare_inputs(sched)
         if self.lora is not None:
             self.lora.step.set(inputs.lora_slots)
-            # The C++ decoder and CUDA graphs know nothing of adapters.
-            forward = self._forward_eager if self.lora.step.active else self._forward
+            # CUDA graphs know nothing of adapters (the C++ decoder applies them).
+            forward = (self._forward if not self.lora.step.active
+                       or self.cpu_decoder is not None else self._forward_eager)
             hidden = forward(inputs)  # [num_tokens, hidden]
         else:
             hidden = self._forward(inputs)  # [num_tokens, hidden]
@@ -389,7 +390,8 @@ class ModelRunner:
 
     def _forward_cpu_decoder(self, inputs: StepInputs) -> torch.Tensor:
         if inputs.meta.num_prefills == 0:
-            return self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.meta)
+            slots = self.lora.step.token_slots if self.lora is not None else None
+            return self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.meta, slots)
         return self._forward_eager(inputs)
 
     def _forward_padded(self, inputs: StepInputs) -> torch.Tensor:
