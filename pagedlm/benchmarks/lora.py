@@ -14,6 +14,7 @@ model) and of writing it into a slot on the worker, each the median of --load-re
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -77,6 +78,9 @@ def main(args: argparse.Namespace) -> int:
     tokenizer = base.get_tokenizer()
     requests = sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed,
                                records=load_sharegpt_records(args.dataset_path))
+    if args.max_output_len is not None:
+        requests = [dataclasses.replace(r, output_len=min(r.output_len, args.max_output_len))
+                    for r in requests]
     report = result_header("lora", model=model_label(kwargs.get("model")),
                            dtype=kwargs.get("dtype"), dataset="sharegpt",
                            num_prompts=args.num_prompts, seed=args.seed,
@@ -138,6 +142,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-adapters", type=int, default=4,
                    help="adapters the requests are spread over (default %(default)s)")
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (default %(default)s)")
+    p.add_argument("--max-output-len", type=int, default=None,
+                   help="cap on a request's output tokens (default: ShareGPT's reply length)")
     p.add_argument("--load-repeats", type=int, default=5,
                    help="times an adapter is read and written into a slot for the load cost")
     p.add_argument("--dataset-path", default=None,

@@ -6,12 +6,10 @@
 //   bounds [S, 2]  slice s covers output columns lo_s:hi_s
 //   y[t, lo_s:hi_s] += (a[l, s, :r] @ x[t]) @ b[l, :r, lo_s:hi_s],  l = slots[t] >= 0, r = ranks[l]
 //
-// Work split: tokens in parallel, each a shrink (S*r dot products over `in`) then an
-// expand (r multiply-adds of a row of b into y's slice, vectorised along the output, no
-// horizontal sums). A decode step's tokens of one adapter reread the same A and B, which
-// stay in cache (rank 16 and a hidden size of 576: 37 KiB for A); a token's result
-// depends on nothing but its own row, so neither the batch nor the thread count changes
-// it. Prompt chunks do not come here: layers/lora.py gives them GEMMs. No module of its
+// Work split: blocks of up to 4 tokens of one adapter in parallel, each a shrink (S*r
+// dot products over `in` per token) then an expand (r multiply-adds of a row of b into
+// y's slice, vectorised along the output, no horizontal sums), in output chunks that keep
+// the chunk of b in L1 for the block's tokens. Prompt chunks do not come here: layers/lora.py gives them GEMMs. No module of its
 // own: the C++ decoder's exports it (csrc/__init__.py BUNDLED) and applies it after each
 // of a layer's matmuls in pure-decode steps with adapters.
 #pragma once
@@ -19,17 +17,32 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
 
 namespace pagedlm_lora {
 
+// a . b with four independent 16-lane accumulators (one accumulator's chain of dependent
+// multiply-adds is latency bound), summed in a fixed order: the same result for the same
+// inputs, wherever it is called from.
 inline float lora_dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  float acc = 0.f;
-#pragma omp simd reduction(+ : acc)
-  for (int64_t i = 0; i < n; ++i) acc += a[i] * b[i];
-  return acc;
+  constexpr int64_t kLanes = 16, kAcc = 4;
+  float acc[kAcc][kLanes] = {};
+  int64_t i = 0;
+  for (; i + kAcc * kLanes <= n; i += kAcc * kLanes) {
+    for (int64_t u = 0; u < kAcc; ++u) {
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) acc[u][l] += a[i + u * kLanes + l] * b[i + u * kLanes + l];
+    }
+  }
+  float total = 0.f;
+  for (int64_t l = 0; l < kLanes; ++l) {
+    total += (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+  }
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
 }
 
 inline void lora_check(bool ok, const char* what) {
@@ -62,30 +75,73 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
   const int64_t* bd = bounds.data_ptr<int64_t>();
   const int64_t xs = x.stride(0), ys = y.stride(0);
   for (int64_t t = 0; t < num_tokens; ++t) lora_check(sp[t] < max_loras, "slot out of range");
+  // Tokens of one adapter in blocks of up to kBlock: A's rows and B's row chunks are read
+  // once per block from L2 and reused from L1 by its tokens. Each token's arithmetic is
+  // the same whatever its block (the same dot products, the same order of additions into
+  // each output), so neither the batch nor the thread count changes a result.
+  constexpr int64_t kBlock = 4, kChunk = 256;
+  std::vector<std::vector<int64_t>> by_slot(max_loras);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (sp[t] >= 0 && rp[sp[t]] > 0) by_slot[sp[t]].push_back(t);
+  }
+  std::vector<std::pair<int32_t, std::vector<int64_t>>> blocks;
+  for (int32_t slot = 0; slot < max_loras; ++slot) {
+    const auto& tokens = by_slot[slot];
+    for (size_t i = 0; i < tokens.size(); i += kBlock) {
+      blocks.emplace_back(slot, std::vector<int64_t>(
+          tokens.begin() + i, tokens.begin() + std::min(tokens.size(), i + kBlock)));
+    }
+  }
+  const int64_t num_blocks = static_cast<int64_t>(blocks.size());
   // Small steps (a batch-1 decode) in one thread: a fork costs more than the work.
   const int64_t grain = num_tokens * (num_slices * max_rank * in + out * max_rank) < 200000
-                            ? num_tokens : 1;
-  at::parallel_for(0, num_tokens, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> h(num_slices * max_rank);
-    for (int64_t t = begin; t < end; ++t) {
-      const int32_t slot = sp[t];
-      if (slot < 0) continue;
+                            ? std::max<int64_t>(num_blocks, 1) : 1;
+  at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> h(kBlock * num_slices * max_rank);
+    for (int64_t bi = begin; bi < end; ++bi) {
+      const int32_t slot = blocks[bi].first;
+      const std::vector<int64_t>& tokens = blocks[bi].second;
+      const int64_t nb = static_cast<int64_t>(tokens.size());
       const int64_t r = rp[slot];
-      if (r == 0) continue;
-      const float* xt = xp + t * xs;
-      float* yt = yp + t * ys;
+      const int64_t width = num_slices * max_rank;
       for (int64_t s = 0; s < num_slices; ++s) {
         const float* as = ap + ((slot * num_slices + s) * max_rank) * in;
-        for (int64_t k = 0; k < r; ++k) h[s * max_rank + k] = lora_dot(as + k * in, xt, in);
+        for (int64_t k = 0; k < r; ++k) {
+          for (int64_t j = 0; j < nb; ++j) {
+            h[j * width + s * max_rank + k] = lora_dot(as + k * in, xp + tokens[j] * xs, in);
+          }
+        }
       }
       const float* bl = bp + slot * max_rank * out;
       for (int64_t s = 0; s < num_slices; ++s) {
         const int64_t lo = bd[2 * s], hi = bd[2 * s + 1];
-        for (int64_t k = 0; k < r; ++k) {
-          const float hk = h[s * max_rank + k];
-          const float* __restrict bk = bl + k * out;
+        for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+          const int64_t c1 = std::min(hi, c0 + kChunk);
+          for (int64_t j = 0; j < nb; ++j) {
+            float* __restrict yt = yp + tokens[j] * ys;
+            const float* hj = h.data() + j * width + s * max_rank;
+            // y[o] + h_0 b_0[o] + h_1 b_1[o] + ..., 64 outputs at a time in registers.
+            int64_t o0 = c0;
+            for (; o0 + 64 <= c1; o0 += 64) {
+              float acc[64];
 #pragma omp simd
-          for (int64_t o = lo; o < hi; ++o) yt[o] += hk * bk[o];
+              for (int64_t l = 0; l < 64; ++l) acc[l] = yt[o0 + l];
+              for (int64_t k = 0; k < r; ++k) {
+                const float hk = hj[k];
+                const float* __restrict bk = bl + k * out + o0;
+#pragma omp simd
+                for (int64_t l = 0; l < 64; ++l) acc[l] += hk * bk[l];
+              }
+#pragma omp simd
+              for (int64_t l = 0; l < 64; ++l) yt[o0 + l] = acc[l];
+            }
+            for (int64_t k = 0; k < r; ++k) {
+              const float hk = hj[k];
+              const float* __restrict bk = bl + k * out;
+#pragma omp simd
+              for (int64_t o = o0; o < c1; ++o) yt[o] += hk * bk[o];
+            }
+          }
         }
       }
     }
