@@ -224,7 +224,6 @@ def test_groups_index_tensors_otherwise():
         assert tokens.dtype == torch.int64
 
 
-@pytest.mark.skipif(not hasattr(LoRAStep, "split"), reason="no LoRAStep.split in this version")
 def test_split_runs_and_the_rest():
     step = LoRAStep(CPU)
     slots = np.array([2] * 5 + [0, -1, 0] + [1] * 4 + [-1] * 6 + [1])
@@ -241,6 +240,10 @@ def test_split_runs_and_the_rest():
     step.set(np.array([3, 3, -1, 0]))
     runs, rest = step.split(4)
     assert runs == [] and rest.tolist() == [3, 3, -1, 0]
+    # Two prompt chunks of one adapter apart: two runs.
+    step.set(np.array([5] * 4 + [1] * 4 + [5] * 5))
+    runs, rest = step.split(4)
+    assert runs == [(5, slice(0, 4)), (1, slice(4, 8)), (5, slice(8, 13))] and rest is None
 
 
 def test_groups_single_token_and_rebuilt_on_set():

@@ -5,7 +5,8 @@ The same ShareGPT requests (temperature 1, EOS ignored, as `bench throughput`) g
   * lora: through an engine with --enable-lora, spread round-robin over --num-adapters
     adapters of rank --lora-rank on every attention and MLP projection, mixed in its
     batches (max_loras = the number of adapters, so all stay resident);
-and the output tokens/s of the two give the ratio lora / base. Adapters are random (the
+and the output tokens/s of the two give the ratio lora / base (--pairs runs of each,
+alternating; the median ratio). Adapters are random (the
 cost does not depend on the values), written in PEFT's format to a temporary directory.
 Also measured: the cost of adding an adapter (reading it and checking it against the
 model) and of writing it into a slot on the worker, each the median of --load-repeats.
@@ -69,8 +70,8 @@ def main(args: argparse.Namespace) -> int:
     from pagedlm.entrypoints.cli import engine_kwargs
     from pagedlm.lora.adapter import load_adapter
 
-    if args.num_prompts < 1 or args.num_adapters < 1:
-        raise ValueError("--num-prompts and --num-adapters must be >= 1")
+    if args.num_prompts < 1 or args.num_adapters < 1 or args.pairs < 1:
+        raise ValueError("--num-prompts, --num-adapters and --pairs must be >= 1")
     kwargs = engine_kwargs(args)
     for key in ("enable_lora", "max_loras", "max_lora_rank"):
         kwargs.pop(key)
@@ -86,10 +87,8 @@ def main(args: argparse.Namespace) -> int:
                            num_prompts=args.num_prompts, seed=args.seed,
                            threads=kwargs.get("num_threads"), num_adapters=args.num_adapters,
                            lora_rank=args.lora_rank)
-    runs: dict[str, Any] = {"base": run_pagedlm(base, requests, use_tqdm=False)}
-    print(f"base: {runs['base']['output_tokens_per_s']:.1f} output tok/s")
     hf_config = base.llm_engine.core.hf_config
-    del base
+    runs: dict[str, Any] = {"base": [], "lora": []}
     with tempfile.TemporaryDirectory(prefix="pagedlm-lora-bench-") as tmp:
         loras = []
         for i in range(args.num_adapters):
@@ -114,9 +113,18 @@ def main(args: argparse.Namespace) -> int:
             slots.load(0, adapter)
             write_ms.append((time.perf_counter() - start) * 1e3)
         spread = [loras[i % len(loras)] for i in range(len(requests))]
-        runs["lora"] = run_pagedlm(llm, requests, use_tqdm=False, lora_requests=spread)
-    runs["ratio_lora_over_base"] = (runs["lora"]["output_tokens_per_s"]
-                                    / runs["base"]["output_tokens_per_s"])
+        # Base and LoRA runs alternate, so that a machine speeding up or slowing down
+        # favours neither; the ratio of each pair is reported, and their median.
+        for i in range(args.pairs):
+            runs["base"].append(run_pagedlm(base, requests, use_tqdm=False))
+            runs["lora"].append(run_pagedlm(llm, requests, use_tqdm=False,
+                                            lora_requests=spread))
+            print(f"pair {i + 1}: base {runs['base'][-1]['output_tokens_per_s']:.1f}, "
+                  f"lora {runs['lora'][-1]['output_tokens_per_s']:.1f} output tok/s")
+    ratios = [lo["output_tokens_per_s"] / b["output_tokens_per_s"]
+              for b, lo in zip(runs["base"], runs["lora"])]
+    runs["ratios_lora_over_base"] = ratios
+    runs["ratio_lora_over_base"] = statistics.median(ratios)
     report["throughput"] = runs
     report["adapter_load"] = {
         "adapter_mib": adapter.num_bytes / 2**20,
@@ -125,8 +133,8 @@ def main(args: argparse.Namespace) -> int:
         "slot_write_ms_median": statistics.median(write_ms),
     }
     print(f"lora ({args.num_adapters} adapters of rank {args.lora_rank}, requests spread over "
-          f"them): {runs['lora']['output_tokens_per_s']:.1f} output tok/s = "
-          f"{runs['ratio_lora_over_base']:.3f}x the base model alone")
+          f"them) / the base model alone: median {runs['ratio_lora_over_base']:.3f}x "
+          f"(pairs: {', '.join(f'{r:.3f}' for r in ratios)})")
     print(f"adding an adapter ({adapter.num_bytes / 2**20:.1f} MiB): "
           f"{statistics.median(add_ms):.0f} ms (read {statistics.median(read_ms):.0f} ms, "
           f"then checked against the model); writing it into a slot: "
@@ -144,6 +152,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", type=int, default=16, help="their rank (default %(default)s)")
     p.add_argument("--max-output-len", type=int, default=None,
                    help="cap on a request's output tokens (default: ShareGPT's reply length)")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="base and LoRA runs, alternating (the median ratio is reported)")
     p.add_argument("--load-repeats", type=int, default=5,
                    help="times an adapter is read and written into a slot for the load cost")
     p.add_argument("--dataset-path", default=None,

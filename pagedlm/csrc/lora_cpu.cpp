@@ -6,12 +6,13 @@
 //   bounds [S, 2]  slice s covers output columns lo_s:hi_s
 //   y[t, lo_s:hi_s] += (a[l, s, :r] @ x[t]) @ b[l, :r, lo_s:hi_s],  l = slots[t] >= 0, r = ranks[l]
 //
-// Work split: blocks of up to 4 tokens of one adapter in parallel, each a shrink (S*r
+// Work split: blocks of up to 8 tokens of one adapter in parallel, each a shrink (S*r
 // dot products over `in` per token) then an expand (r multiply-adds of a row of b into
 // y's slice, vectorised along the output, no horizontal sums), in output chunks that keep
-// the chunk of b in L1 for the block's tokens. Prompt chunks do not come here: layers/lora.py gives them GEMMs. No module of its
-// own: the C++ decoder's exports it (csrc/__init__.py BUNDLED) and applies it after each
-// of a layer's matmuls in pure-decode steps with adapters.
+// the chunk of b in L1 for the block's tokens. Prompt chunks of 128 tokens or more do not
+// come here: layers/lora.py gives them GEMMs. No module of its own: the C++ decoder's
+// exports it (csrc/__init__.py BUNDLED) and applies it after each of a layer's matmuls in
+// pure-decode steps with adapters.
 #pragma once
 #include "torch_lite.h"
 
@@ -24,25 +25,59 @@
 
 namespace pagedlm_lora {
 
-// a . b with four independent 16-lane accumulators (one accumulator's chain of dependent
-// multiply-adds is latency bound), summed in a fixed order: the same result for the same
-// inputs, wherever it is called from.
-inline float lora_dot(const float* __restrict a, const float* __restrict b, int64_t n) {
-  constexpr int64_t kLanes = 16, kAcc = 4;
-  float acc[kAcc][kLanes] = {};
+constexpr int64_t kLanes = 16;
+
+// The dot products of KR rows of A with TN input rows over n values, as a tile: each
+// pair has its own 16-lane accumulator (KR * TN independent chains of multiply-adds, with
+// each A and x vector loaded once per tile), whose lanes are then summed in order and the
+// tail added. A pair's arithmetic does not depend on the tile it is in, so every tiling
+// of the same rows and tokens gives the same results.
+template <int KR, int TN>
+inline void dot_tile(const float* const* a, const float* const* x, int64_t n, float* out,
+                     int64_t out_stride) {
+  float acc[KR][TN][kLanes] = {};
   int64_t i = 0;
-  for (; i + kAcc * kLanes <= n; i += kAcc * kLanes) {
-    for (int64_t u = 0; u < kAcc; ++u) {
+  for (; i + kLanes <= n; i += kLanes) {
+    for (int kr = 0; kr < KR; ++kr) {
+      for (int tn = 0; tn < TN; ++tn) {
 #pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) acc[u][l] += a[i + u * kLanes + l] * b[i + u * kLanes + l];
+        for (int64_t l = 0; l < kLanes; ++l) acc[kr][tn][l] += a[kr][i + l] * x[tn][i + l];
+      }
     }
   }
-  float total = 0.f;
-  for (int64_t l = 0; l < kLanes; ++l) {
-    total += (acc[0][l] + acc[1][l]) + (acc[2][l] + acc[3][l]);
+  for (int kr = 0; kr < KR; ++kr) {
+    for (int tn = 0; tn < TN; ++tn) {
+      float total = 0.f;
+      for (int64_t l = 0; l < kLanes; ++l) total += acc[kr][tn][l];
+      for (int64_t j = i; j < n; ++j) total += a[kr][j] * x[tn][j];
+      out[tn * out_stride + kr] = total;
+    }
   }
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
+}
+
+// out[t * out_stride + k] = a_k . x_t for rows k < num_rows of `a` (row stride `in`) and
+// the num_x input rows, in tiles of up to 2 rows x 4 tokens.
+inline void dot_block(const float* a, int64_t num_rows, const float* const* x, int64_t num_x,
+                      int64_t in, float* out, int64_t out_stride) {
+  for (int64_t k = 0; k < num_rows; k += 2) {
+    const float* rows[2] = {a + k * in, a + std::min(k + 1, num_rows - 1) * in};
+    const bool two = k + 1 < num_rows;
+    for (int64_t t = 0; t < num_x; t += 4) {
+      const int64_t tn = std::min<int64_t>(4, num_x - t);
+      float* o = out + t * out_stride + k;
+      const float* const* xs = x + t;
+      switch (tn * 2 + (two ? 1 : 0)) {
+        case 9: dot_tile<2, 4>(rows, xs, in, o, out_stride); break;
+        case 8: dot_tile<1, 4>(rows, xs, in, o, out_stride); break;
+        case 7: dot_tile<2, 3>(rows, xs, in, o, out_stride); break;
+        case 6: dot_tile<1, 3>(rows, xs, in, o, out_stride); break;
+        case 5: dot_tile<2, 2>(rows, xs, in, o, out_stride); break;
+        case 4: dot_tile<1, 2>(rows, xs, in, o, out_stride); break;
+        case 3: dot_tile<2, 1>(rows, xs, in, o, out_stride); break;
+        default: dot_tile<1, 1>(rows, xs, in, o, out_stride); break;
+      }
+    }
+  }
 }
 
 inline void lora_check(bool ok, const char* what) {
@@ -76,10 +111,11 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
   const int64_t xs = x.stride(0), ys = y.stride(0);
   for (int64_t t = 0; t < num_tokens; ++t) lora_check(sp[t] < max_loras, "slot out of range");
   // Tokens of one adapter in blocks of up to kBlock: A's rows and B's row chunks are read
-  // once per block from L2 and reused from L1 by its tokens. Each token's arithmetic is
+  // once per block from L2 and reused from L1 by its tokens (8: the block's input rows
+  // stay in L1 for SmolLM2's hidden size; 4 and 16 measured slower). Each token's arithmetic is
   // the same whatever its block (the same dot products, the same order of additions into
   // each output), so neither the batch nor the thread count changes a result.
-  constexpr int64_t kBlock = 4, kChunk = 256;
+  constexpr int64_t kBlock = 8, kChunk = 256;
   std::vector<std::vector<int64_t>> by_slot(max_loras);
   for (int64_t t = 0; t < num_tokens; ++t) {
     if (sp[t] >= 0 && rp[sp[t]] > 0) by_slot[sp[t]].push_back(t);
@@ -104,13 +140,11 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
       const int64_t nb = static_cast<int64_t>(tokens.size());
       const int64_t r = rp[slot];
       const int64_t width = num_slices * max_rank;
+      const float* xrows[kBlock];
+      for (int64_t j = 0; j < nb; ++j) xrows[j] = xp + tokens[j] * xs;
       for (int64_t s = 0; s < num_slices; ++s) {
         const float* as = ap + ((slot * num_slices + s) * max_rank) * in;
-        for (int64_t k = 0; k < r; ++k) {
-          for (int64_t j = 0; j < nb; ++j) {
-            h[j * width + s * max_rank + k] = lora_dot(as + k * in, xp + tokens[j] * xs, in);
-          }
-        }
+        dot_block(as, r, xrows, nb, in, h.data() + s * max_rank, width);
       }
       const float* bl = bp + slot * max_rank * out;
       for (int64_t s = 0; s < num_slices; ++s) {
