@@ -391,6 +391,18 @@ class EngineCore:
             num_generation_tokens=self._num_generation_tokens,
             num_steps=self._num_steps,
             **(self.proposer.stats.engine_stats_fields() if self.proposer else {}),
+            **(self._lora_stats() if self.scheduler.lora_slots is not None else {}),
+        )
+
+    def _lora_stats(self) -> dict:
+        scheduler = self.scheduler
+        return dict(
+            max_loras=scheduler.lora_slots.max_loras,
+            running_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.running
+                                                if r.lora is not None})),
+            waiting_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.waiting
+                                                if r.lora is not None})),
+            num_lora_loads=scheduler.lora_slots.num_loads,
         )
 
     @property

@@ -28,6 +28,12 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    # LoRA: slots, the adapters of running and of waiting requests (names, sorted), and
+    # adapters written into a slot since start.
+    max_loras: int = 0
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    num_lora_loads: int = 0
 
     @property
     def num_blocks_used(self) -> int:

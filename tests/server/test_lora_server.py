@@ -193,3 +193,28 @@ def test_concurrent_requests_of_two_adapters_and_the_base_share_one_slot(
                 break
             assert time.monotonic() < deadline, metrics
             time.sleep(0.1)
+
+
+def test_metrics_name_the_adapters_of_running_requests(lora_server):
+    """vLLM's lora_requests_info gauge: while an adapter's request streams, it is listed as
+    running; slot loads are counted."""
+    import json
+
+    body = {"model": "ad1", "prompt": PROMPT, "max_tokens": 900, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    with _client(lora_server) as http, http.stream("POST", "/v1/completions",
+                                                   json=body) as stream:
+        lines = stream.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["model"] == "ad1"
+        deadline = time.monotonic() + 10
+        while True:
+            with _client(lora_server) as probe:
+                metrics = probe.get("/metrics").text
+            labels = {"running_lora_adapters": "ad1", "waiting_lora_adapters": "",
+                      "max_lora": "1"}
+            if metric_value(metrics, "pagedlm:lora_requests_info", labels) > 0:
+                break
+            assert time.monotonic() < deadline, metrics
+            time.sleep(0.1)
+        assert metric_value(metrics, "pagedlm:lora_loads_total") >= 1

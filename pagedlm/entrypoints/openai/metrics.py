@@ -15,6 +15,7 @@ process (tests).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
@@ -91,6 +92,16 @@ class _EngineCollector(Collector):
         for position, count in enumerate(stats.spec_accepted_per_pos):
             per_pos.add_metric([self.model_name, str(position)], count)
         yield per_pos
+        if stats.max_loras:  # LoRA, with vLLM's name: the value is when it was taken
+            lora = GaugeMetricFamily(
+                PREFIX + "lora_requests_info", "LoRA adapters of running and waiting requests.",
+                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+            lora.add_metric([",".join(stats.running_lora_adapters),
+                             ",".join(stats.waiting_lora_adapters), str(stats.max_loras)],
+                            time.time())
+            yield lora
+            yield counter("lora_loads", "LoRA adapters written into a slot since start.",
+                          stats.num_lora_loads)
         info = InfoMetricFamily(PREFIX + "cache_config", "KV cache configuration.")
         info.add_metric([], {"num_blocks": str(stats.num_blocks_total),
                              "block_size": str(stats.block_size)})
