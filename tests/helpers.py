@@ -117,3 +117,35 @@ def assert_matches_hf(path: str, hf, prompts: list[list[int]], max_tokens: int, 
     for pos in range(1, len(prompt)):
         got = out.prompt_logprobs[pos][prompt[pos]].logprob
         assert got == pytest.approx(float(ref[pos - 1, prompt[pos]]), abs=1e-4)
+
+
+def assert_tokens_equal_or_near_tie(ours: list[int], other: list[int], logprobs,
+                                    context: str, tie_tolerance: float = 1e-4) -> None:
+    """Two greedy runs' tokens are equal, or part only where `logprobs` (the first run's
+    per-position top logprobs, needs logprobs >= 2) shows a near-tie of the two tokens."""
+    if ours == other:
+        return
+    k = next(j for j, (p, q) in enumerate(zip(ours, other)) if p != q)
+    lp = logprobs[k]
+    assert other[k] in lp, f"{context}: diverges at {k}; {other[k]} not in the top logprobs"
+    gap = lp[ours[k]].logprob - lp[other[k]].logprob
+    assert gap < tie_tolerance, f"{context}: diverges at {k} without a near-tie (gap {gap})"
+
+
+def use_triton_interpreter() -> None:
+    """Without CUDA, run Triton kernels under its interpreter. Call at the top of a test
+    module, before triton (or a kernel module) is imported: Triton picks "compile" or
+    "interpret" when @triton.jit decorates a function, i.e. at import (its own helpers
+    tl.max, tl.sum, tl.cdiv when `triton` is first imported). Skips the module if triton
+    was imported earlier in compiled mode."""
+    import os
+    import sys
+
+    import pytest
+
+    if torch.cuda.is_available():
+        return
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set; run this file "
+                    "on its own or with TRITON_INTERPRET=1", allow_module_level=True)
+    os.environ["TRITON_INTERPRET"] = "1"

@@ -18,7 +18,12 @@ import pytest
 import torch
 
 from pagedlm import LLM, LoRARequest, SamplingParams
-from tests.helpers import check_greedy_match, hf_greedy, hf_logprobs_along
+from tests.helpers import (
+    assert_tokens_equal_or_near_tie,
+    check_greedy_match,
+    hf_greedy,
+    hf_logprobs_along,
+)
 
 MAX_TOKENS = 12
 MAX_RANK = 8
@@ -194,15 +199,8 @@ def assert_all_blocks_back(llm: LLM) -> None:
     engine.scheduler.check_invariants()
 
 
-def assert_same_greedy(a: list[int], b: list[int], out_a, context: str, tol: float = 1e-4):
-    """Equal, or parting only at a near-tie of `out_a`'s logprobs (needs logprobs >= 2)."""
-    if a == b:
-        return
-    k = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
-    lp = out_a.outputs[0].logprobs[k]
-    assert b[k] in lp, f"{context}: diverge at {k}: {a} vs {b}"
-    gap = lp[a[k]].logprob - lp[b[k]].logprob
-    assert gap < tol, f"{context}: diverge at {k} without a near-tie (gap {gap}): {a} vs {b}"
+def assert_same_greedy(a: list[int], b: list[int], out_a, context: str) -> None:
+    assert_tokens_equal_or_near_tie(a, b, out_a.outputs[0].logprobs, context)
 
 
 @pytest.fixture(scope="module")

@@ -6,25 +6,16 @@ over several `in` tiles and the expand splits a slice into several (partial) row
 With CUDA the same tests compile and run the real kernels.
 """
 
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers import use_triton_interpreter
+
 _ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    # As in test_triton_attention.py: Triton picks "compile" or "interpret" when
-    # @triton.jit decorates a function, i.e. at import, so the variable must be set
-    # before triton (or the kernel module) is first imported.
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run this file "
-            "on its own or with TRITON_INTERPRET=1",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
+# Before triton or a kernel module is imported (tests/helpers.py says why).
+use_triton_interpreter()
 triton = pytest.importorskip("triton")
 
 from pagedlm.layers import lora_triton as lt  # noqa: E402

@@ -8,6 +8,7 @@ the logprobs rather than passing silently.
 import pytest
 
 from pagedlm import LLM, SamplingParams
+from tests.helpers import assert_tokens_equal_or_near_tie
 
 PROMPTS = [
     [1, 17, 300, 42, 7, 9, 11],
@@ -35,14 +36,9 @@ def _run(path, prompts, one_at_a_time=False, **engine_kwargs):
 
 def assert_same_greedy(a, b, what, tie_tolerance=1e-4):
     for i, (x, y) in enumerate(zip(a, b)):
-        tx, ty = x.outputs[0].token_ids, y.outputs[0].token_ids
-        if tx == ty:
-            continue
-        k = next(j for j, (p, q) in enumerate(zip(tx, ty)) if p != q)
-        lp = x.outputs[0].logprobs[k]
-        assert ty[k] in lp, f"{what}: prompt {i} diverges at {k}; {ty[k]} not in the top logprobs"
-        gap = lp[tx[k]].logprob - lp[ty[k]].logprob
-        assert gap < tie_tolerance, f"{what}: prompt {i} diverges at {k} without a near-tie (gap {gap})"
+        assert_tokens_equal_or_near_tie(x.outputs[0].token_ids, y.outputs[0].token_ids,
+                                        x.outputs[0].logprobs, f"{what}: prompt {i}",
+                                        tie_tolerance)
 
 
 @pytest.fixture(scope="module")

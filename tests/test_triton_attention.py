@@ -14,20 +14,11 @@ import sys
 import pytest
 import torch
 
+from tests.helpers import use_triton_interpreter
+
 _ON_GPU = torch.cuda.is_available()
-if not _ON_GPU:
-    # Triton picks "compile" or "interpret" when @triton.jit decorates a function, i.e.
-    # at import: for its own helpers (tl.max, tl.sum, tl.cdiv) when `triton` is first
-    # imported, for our kernels when triton_kernels is. So the variable must be set
-    # before either import, and it stays set for this process. If something imported
-    # triton earlier, its helpers are compiled-mode and cannot run on CPU tensors.
-    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip(
-            "triton was imported before TRITON_INTERPRET=1 could be set; run this file "
-            "on its own or with TRITON_INTERPRET=1",
-            allow_module_level=True,
-        )
-    os.environ["TRITON_INTERPRET"] = "1"
+# Before triton or a kernel module is imported (tests/helpers.py says why).
+use_triton_interpreter()
 pytest.importorskip("triton")
 
 from pagedlm.attention import triton_decode as td  # noqa: E402
