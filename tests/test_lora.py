@@ -66,6 +66,29 @@ ARCHS = {
                     new_decoder_architecture=True, num_kv_heads=2, bias=True,
                     max_position_embeddings=256, initializer_range=0.08),
                ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"], {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(_LLAMA_LIKE, head_dim=32),  # q/k norms
+              LLAMA_TARGETS, {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(_LLAMA_LIKE, head_dim=32, query_pre_attn_scalar=24, sliding_window=6,
+                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0,
+                    pad_token_id=0, eos_token_id=1, bos_token_id=2, attn_implementation="eager"),
+               LLAMA_TARGETS, {}),
+    "bloom": ("BloomConfig", "BloomForCausalLM",  # fused query_key_value, ALiBi
+              dict(vocab_size=512, hidden_size=64, n_layer=2, n_head=4, initializer_range=0.08),
+              ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
+              dict(lora_alpha=128)),  # at alpha 16 its greedy tokens do not change
+    "mpt": ("MptConfig", "MptForCausalLM",  # fused Wqkv
+            dict(vocab_size=512, d_model=64, n_heads=4, n_layers=2, max_seq_len=64,
+                 initializer_range=0.08),
+            ["Wqkv", "out_proj", "up_proj", "down_proj"], {}),
+    "gptj": ("GPTJConfig", "GPTJForCausalLM",
+             dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                  n_positions=256, initializer_range=0.08),
+             ["q_proj", "k_proj", "v_proj", "out_proj", "fc_in", "fc_out"], {}),
+    "bigcode": ("GPTBigCodeConfig", "GPTBigCodeForCausalLM",  # multi-query fused c_attn
+                dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                     initializer_range=0.08, multi_query=True),
+                ["c_attn", "c_proj", "c_fc"], {}),
 }
 
 # The Llama adapters (the other architectures get one "full" adapter each).
@@ -108,8 +131,8 @@ class Zoo:
             model.save_pretrained(path, safe_serialization=True)
             self.paths[arch] = str(path)
             for i, name in enumerate(self.adapter_names(arch)):
-                lora = LLAMA_ADAPTERS[name] if arch == "llama" else dict(
-                    r=8, lora_alpha=16, target_modules=ARCHS[arch][3], **ARCHS[arch][4])
+                lora = LLAMA_ADAPTERS[name] if arch == "llama" else {
+                    **dict(r=8, lora_alpha=16, target_modules=ARCHS[arch][3]), **ARCHS[arch][4]}
                 self.adapters[arch, name] = self.make_adapter(arch, f"{arch}-{name}", seed=10 + i,
                                                               **lora)
         return self.paths[arch]
