@@ -116,16 +116,26 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
   // the same whatever its block (the same dot products, the same order of additions into
   // each output), so neither the batch nor the thread count changes a result.
   constexpr int64_t kBlock = 8, kChunk = 256;
-  std::vector<std::vector<int64_t>> by_slot(max_loras);
+  // The adapter tokens ordered by slot (a counting sort, stable), then cut into blocks:
+  // block i is order[start_i, start_i + len_i), all of slot_i.
+  std::vector<int64_t> first(max_loras + 1, 0);
   for (int64_t t = 0; t < num_tokens; ++t) {
-    if (sp[t] >= 0 && rp[sp[t]] > 0) by_slot[sp[t]].push_back(t);
+    if (sp[t] >= 0 && rp[sp[t]] > 0) ++first[sp[t] + 1];
   }
-  std::vector<std::pair<int32_t, std::vector<int64_t>>> blocks;
+  for (int64_t l = 0; l < max_loras; ++l) first[l + 1] += first[l];
+  std::vector<int64_t> order(first[max_loras]);
+  std::vector<int64_t> fill(first.begin(), first.end() - 1);
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (sp[t] >= 0 && rp[sp[t]] > 0) order[fill[sp[t]]++] = t;
+  }
+  struct Block {
+    int32_t slot;
+    int64_t start, len;
+  };
+  std::vector<Block> blocks;
   for (int32_t slot = 0; slot < max_loras; ++slot) {
-    const auto& tokens = by_slot[slot];
-    for (size_t i = 0; i < tokens.size(); i += kBlock) {
-      blocks.emplace_back(slot, std::vector<int64_t>(
-          tokens.begin() + i, tokens.begin() + std::min(tokens.size(), i + kBlock)));
+    for (int64_t i = first[slot]; i < first[slot + 1]; i += kBlock) {
+      blocks.push_back({slot, i, std::min(kBlock, first[slot + 1] - i)});
     }
   }
   const int64_t num_blocks = static_cast<int64_t>(blocks.size());
@@ -135,9 +145,9 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
   at::parallel_for(0, num_blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> h(kBlock * num_slices * max_rank);
     for (int64_t bi = begin; bi < end; ++bi) {
-      const int32_t slot = blocks[bi].first;
-      const std::vector<int64_t>& tokens = blocks[bi].second;
-      const int64_t nb = static_cast<int64_t>(tokens.size());
+      const int32_t slot = blocks[bi].slot;
+      const int64_t* tokens = order.data() + blocks[bi].start;
+      const int64_t nb = blocks[bi].len;
       const int64_t r = rp[slot];
       const int64_t width = num_slices * max_rank;
       const float* xrows[kBlock];
