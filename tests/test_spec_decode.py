@@ -444,3 +444,38 @@ def test_draft_proposer_goes_dormant_when_drafts_fail_and_probes():
     r = _request(tokens, "after")
     proposer.propose([r])
     assert r.spec_token_ids
+
+
+def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
+    """`bench spec-decode` checks greedy equality per request; --allow-divergence (q8
+    weights) counts the requests that part instead."""
+    from types import SimpleNamespace
+
+    from pagedlm.benchmarks.datasets import SampleRequest
+    from pagedlm.benchmarks.spec_decode import batch1
+
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return [1, 2, 3]
+
+    class Engine:
+        def __init__(self, replies):
+            self.replies = iter(replies)
+            self.llm_engine = SimpleNamespace(reset_prefix_cache=lambda: None)
+
+        def get_tokenizer(self):
+            return Tok()
+
+        def generate(self, prompt, params, use_tqdm):
+            tokens = next(self.replies)
+            metrics = SimpleNamespace(first_token_time=0.0, finished_time=0.001)
+            return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics)]
+
+    requests = [SampleRequest("a", 3, 2), SampleRequest("b", 3, 2), SampleRequest("c", 3, 2)]
+    off = [[5, 6], [7, 8], [9, 9]]
+    on = [[5, 6], [7, 1], [9, 9]]  # the second request parts
+    with pytest.raises(RuntimeError, match="request 1: greedy outputs differ"):
+        batch1({"off": Engine(off), "on": Engine(on)}, requests)
+    result = batch1({"off": Engine(off), "on": Engine(on)}, requests, allow_divergence=True)
+    assert result["num_differing"] == 1 and result["num_requests"] == 3
+    assert result["off"]["output_tokens"] == result["on"]["output_tokens"] == 6
