@@ -344,10 +344,16 @@ class ProcessCoreClient:
     def _wait_exit(self, timeout: float) -> int | None:
         """The core's exit code once it exits, waiting at most `timeout`; None while it
         runs. Waits on the sentinel without the lock, so is_alive() never blocks."""
+        deadline = time.monotonic() + timeout
         multiprocessing.connection.wait([self.process.sentinel], timeout)
-        with self._reap_lock:
-            self.process.join(0)
-            return self.process.exitcode
+        # The sentinel closes as the process's files are closed, a moment before the kernel
+        # makes it waitable: poll until the status is there.
+        while True:
+            with self._reap_lock:
+                self.process.join(0)
+                if self.process.exitcode is not None or time.monotonic() >= deadline:
+                    return self.process.exitcode
+            time.sleep(0.005)
 
     def is_alive(self) -> bool:
         with self._reap_lock:
