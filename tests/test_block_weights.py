@@ -18,7 +18,7 @@ from pagedlm.layers.block_weights import (
     recover_block_weights,
     recover_blocks,
 )
-from pagedlm.loader.gguf_format import dequantize_raw
+from pagedlm.layers.quant_blocks import dequantize_raw
 from tests.conftest import requires_smollm2, smollm2_path
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0

@@ -11,13 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
+from pagedlm.layers.quant_blocks import dequantize_raw
 from pagedlm.loader.dummy import init_dummy_weights
-from pagedlm.loader.gguf_loader import (
-    GGUFCheckpoint,
-    default_model_path,
-    dequantize_raw,
-    unpermute_qk,
-)
+from pagedlm.loader.gguf_format import unpermute_qk
+from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
 from pagedlm.loader.safetensors_loader import iterate_safetensors, list_safetensors_files
 from pagedlm.loader.tokenizer import load_tokenizer
 from tests.helpers import write_tiny_tokenizer

@@ -16,7 +16,7 @@ from pagedlm.layers.q8_weights import (
     quantize_q8_0,
     reference_matmul,
 )
-from pagedlm.loader.gguf_format import dequantize_raw
+from pagedlm.layers.quant_blocks import dequantize_raw
 
 pytestmark = pytest.mark.skipif(q8_kernels() is None, reason="the int8 kernel could not be built")
 

@@ -22,7 +22,7 @@ from gguf.quants import quantize
 from pagedlm.layers.block_weights import BlockWeight
 from pagedlm.layers.panel_weights import pack_panels, panel_kernels
 from pagedlm.layers.q8_weights import Q8WeightMatmul
-from pagedlm.loader.gguf_format import dequantize_raw
+from pagedlm.layers.quant_blocks import dequantize_raw
 
 # (out_features, in_features, layers): qkv, o, gate_up, down, LM head
 SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]

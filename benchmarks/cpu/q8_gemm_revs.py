@@ -21,7 +21,7 @@ from revision_build import build_revision
 
 from pagedlm.layers.block_weights import BlockWeight
 from pagedlm.layers.q8_weights import pack_blocks, q8_kernels
-from pagedlm.loader.gguf_format import dequantize_raw
+from pagedlm.layers.quant_blocks import dequantize_raw
 
 SOURCE = "pagedlm/csrc/q8_gemm_cpu.cpp"
 # (out_features, in_features, layers): qkv, o, gate_up, down, LM head

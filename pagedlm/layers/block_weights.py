@@ -35,7 +35,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from pagedlm.csrc import load_extension
-from pagedlm.loader.gguf_format import dequantize_raw
+from pagedlm.layers.quant_blocks import dequantize_raw
 
 BLOCK = 32
 BLOCK_BYTES = {GGMLQuantizationType.Q4_1: 20, GGMLQuantizationType.Q8_0: 34}

@@ -32,18 +32,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from pagedlm.layers.quant_blocks import dequantize_raw
 from pagedlm.loader.gguf_architectures import (  # noqa: F401  (re-exported)
     GGUF_ARCHITECTURES,
     GGUFArchSpec,
     gguf_to_hf_names,
 )
-from pagedlm.loader.gguf_format import (  # noqa: F401  (re-exported for callers and tests)
-    GGUFTensorInfo,
-    _parse_header,
-    check_dequantizable,
-    dequantize_raw,
-    unpermute_qk,
-)
+from pagedlm.loader.gguf_format import check_dequantizable, parse_header
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -100,7 +95,7 @@ class GGUFCheckpoint:
             # result is a fresh array, so nothing handed out aliases the file.
             self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         try:
-            self.version, self.metadata, self.tensor_infos = _parse_header(self._mmap)
+            self.version, self.metadata, self.tensor_infos = parse_header(self._mmap)
         except (struct.error, UnicodeDecodeError, OverflowError, MemoryError) as e:
             # The header ends early or holds garbage: say so, not which unpack failed.
             self._mmap.close()
