@@ -10,7 +10,8 @@ import pytest
 
 from pagedlm.entrypoints.openai.chat_messages import conversation
 from pagedlm.entrypoints.openai.protocol import ChatMessage
-from pagedlm.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS, ToolCallParser
+from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
+from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 
 WEATHER = {"name": "get_weather", "description": "weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}

@@ -10,12 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlm.entrypoints.openai.tool_parsers import (
+from pagedlm.entrypoints.openai.tool_parsers.formats import (
     TOOL_CALL_FORMATS,
-    ToolCallParser,
     choose_tool_call_format,
     template_takes_tools,
 )
+from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 
 HERMES, LLAMA3, MISTRAL = (TOOL_CALL_FORMATS[n] for n in ("hermes", "llama3_json", "mistral"))
 

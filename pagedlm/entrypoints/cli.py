@@ -212,7 +212,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
         DEFAULT_MAX_TOKENS,
         DEFAULT_SHUTDOWN_TIMEOUT_S,
     )
-    from pagedlm.entrypoints.openai.tool_parsers import TOOL_CALL_FORMATS
+    from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
 
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",

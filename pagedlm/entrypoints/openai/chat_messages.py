@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedlm.entrypoints.openai.protocol import ChatMessage
-from pagedlm.entrypoints.openai.tool_parsers import ToolCallFormat
+from pagedlm.entrypoints.openai.tool_parsers.formats import ToolCallFormat
 
 
 def _text(message: ChatMessage) -> str:

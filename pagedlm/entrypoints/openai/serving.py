@@ -32,7 +32,7 @@ from pagedlm.entrypoints.openai.errors import (
     queue_full_error,
 )
 from pagedlm.entrypoints.openai.protocol import ChatMessage, SamplingFields
-from pagedlm.entrypoints.openai.tool_parsers import (
+from pagedlm.entrypoints.openai.tool_parsers.formats import (
     choose_tool_call_format,
     template_takes_tools,
 )

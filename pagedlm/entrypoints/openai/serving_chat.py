@@ -47,7 +47,8 @@ from pagedlm.entrypoints.openai.serving import (
     stream_error_event,
     structured_outputs_of,
 )
-from pagedlm.entrypoints.openai.tool_parsers import ToolCallFormat, ToolCallParser
+from pagedlm.entrypoints.openai.tool_parsers.formats import ToolCallFormat
+from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 from pagedlm.outputs import PositionLogprobs
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured import StructuredOutputsParams
