@@ -9,7 +9,7 @@ import json
 import pytest
 
 from pagedlm.entrypoints.openai.chat_messages import conversation
-from pagedlm.entrypoints.openai.protocol import ChatMessage
+from pagedlm.entrypoints.openai.protocol.chat import ChatMessage
 from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
 from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 

@@ -20,7 +20,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedlm.entrypoints.openai.protocol import MAX_TOOLS
+from pagedlm.entrypoints.openai.protocol.common import MAX_TOOLS
 
 # Generation length is not what the fuzzing is about: a fuzzed max_tokens of 900 with
 # n=16 and 64 prompts would spend minutes decoding.

@@ -42,14 +42,12 @@ from pagedlm.entrypoints.openai.lora_routes import (
 )
 from pagedlm.entrypoints.openai.metrics import ServerMetrics
 from pagedlm.entrypoints.openai.openapi import refine_openapi
-from pagedlm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionRequest,
-    CompletionResponse,
+from pagedlm.entrypoints.openai.protocol.chat import ChatCompletionRequest, ChatCompletionResponse
+from pagedlm.entrypoints.openai.protocol.common import ErrorResponse
+from pagedlm.entrypoints.openai.protocol.completion import CompletionRequest, CompletionResponse
+from pagedlm.entrypoints.openai.protocol.utility import (
     DetokenizeRequest,
     DetokenizeResponse,
-    ErrorResponse,
     HealthResponse,
     ModelCard,
     ModelList,

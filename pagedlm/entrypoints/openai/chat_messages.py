@@ -15,7 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from pagedlm.entrypoints.openai.protocol import ChatMessage
+from pagedlm.entrypoints.openai.protocol.chat import ChatMessage
 from pagedlm.entrypoints.openai.tool_parsers.formats import ToolCallFormat
 
 

@@ -13,8 +13,8 @@ from fastapi.responses import PlainTextResponse
 
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai.errors import APIError, bad_request
-from pagedlm.entrypoints.openai.protocol import (
-    ErrorResponse,
+from pagedlm.entrypoints.openai.protocol.common import ErrorResponse
+from pagedlm.entrypoints.openai.protocol.utility import (
     LoadLoRAAdapterRequest,
     ModelCard,
     UnloadLoRAAdapterRequest,

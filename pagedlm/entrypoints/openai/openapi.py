@@ -1,7 +1,7 @@
 """/openapi.json as the server really is: FastAPI's schema plus the limits known only at
 start-up.
 
-The request models (protocol.py) carry every limit that is fixed in code; what depends
+The request models (protocol/) carry every limit that is fixed in code; what depends
 on the model being served is added here, once, when the schema is first asked for:
 
 - `model` in request bodies and the `model_id` path parameter: an enum of the served

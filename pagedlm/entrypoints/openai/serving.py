@@ -31,7 +31,8 @@ from pagedlm.entrypoints.openai.errors import (
     failed_request_error,
     queue_full_error,
 )
-from pagedlm.entrypoints.openai.protocol import ChatMessage, SamplingFields
+from pagedlm.entrypoints.openai.protocol.chat import ChatMessage
+from pagedlm.entrypoints.openai.protocol.common import SamplingFields
 from pagedlm.entrypoints.openai.tool_parsers.formats import (
     choose_tool_call_format,
     template_takes_tools,

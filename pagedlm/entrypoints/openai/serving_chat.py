@@ -15,7 +15,7 @@ from starlette.responses import Response
 
 from pagedlm.engine.async_engine import RequestStream
 from pagedlm.entrypoints.openai.errors import bad_request
-from pagedlm.entrypoints.openai.protocol import (
+from pagedlm.entrypoints.openai.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -31,8 +31,8 @@ from pagedlm.entrypoints.openai.protocol import (
     ToolCall,
     ToolCallFunction,
     TopLogprob,
-    UsageInfo,
 )
+from pagedlm.entrypoints.openai.protocol.common import UsageInfo
 from pagedlm.entrypoints.openai.serving import (
     SSE_DONE,
     ClientDisconnected,

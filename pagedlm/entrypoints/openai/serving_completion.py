@@ -16,12 +16,12 @@ from starlette.responses import Response
 
 from pagedlm.engine.async_engine import RequestStream
 from pagedlm.entrypoints.openai.errors import bad_request
-from pagedlm.entrypoints.openai.protocol import (
+from pagedlm.entrypoints.openai.protocol.common import UsageInfo
+from pagedlm.entrypoints.openai.protocol.completion import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from pagedlm.entrypoints.openai.serving import (
     SSE_DONE,
