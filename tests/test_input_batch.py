@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.core.sched_output import NewRequestData
-from pagedlm.sample.sampler import SamplingRequestState, make_sampling_batch
+from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
 from pagedlm.worker.input_batch import InputBatch
 from tests.core.step_view import attach_views, check_mirror
 

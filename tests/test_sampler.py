@@ -6,17 +6,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagedlm.sample.sampler import (
-    Sampler,
-    SamplingRequestState,
+from pagedlm.sample.noise import random_uniform
+from pagedlm.sample.ops import (
     apply_frequency_presence_penalties,
     apply_min_p,
     apply_repetition_penalty,
     apply_top_k_top_p,
     compute_logprobs,
-    make_sampling_batch,
-    random_uniform,
 )
+from pagedlm.sample.sampler import Sampler
+from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
 from pagedlm.sampling_params import SamplingParams
 
 CPU = torch.device("cpu")

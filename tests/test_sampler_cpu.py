@@ -13,11 +13,8 @@ import torch
 
 from pagedlm.sample.cpu_sampling import load_sampler_kernels
 from pagedlm.sample.noise import exponential_race, random_bits, random_uniform
-from pagedlm.sample.sampler import (
-    Sampler,
-    SamplingRequestState,
-    make_sampling_batch,
-)
+from pagedlm.sample.sampler import Sampler
+from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
 from pagedlm.sampling_params import SamplingParams
 
 kernels = load_sampler_kernels()

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from pagedlm.sample.sampler import Sampler, SamplingRequestState, make_sampling_batch
+from pagedlm.sample.sampler import Sampler
+from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
 from pagedlm.sampling_params import SamplingParams
 
 

@@ -21,10 +21,14 @@ import numpy as np
 import torch
 
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
-from pagedlm.sample.sampler import SamplingBatch, scatter_token_mask
+from pagedlm.sample.sampling_batch import (
+    SEED_MODULUS,
+    SamplingBatch,
+    min_tokens_banned_ids,
+    scatter_token_mask,
+)
 from pagedlm.sampling_params import SamplingParams
 
-_SEED_MODULUS = 1 << 63
 _STAGES = ("greedy", "top_k", "top_p", "min_p", "repetition", "penalties", "min_tokens",
            "logprobs")
 
@@ -179,7 +183,7 @@ class InputBatch:
         self.eos_token_ids[row] = tuple(new.eos_token_ids)
         self.greedy[row] = p.is_greedy
         self.temperature[row] = p.temperature
-        self.seed[row] = new.seed % _SEED_MODULUS
+        self.seed[row] = new.seed % SEED_MODULUS
         self.top_k[row] = p.top_k if 0 < p.top_k < self.vocab_size else 0
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
@@ -234,7 +238,7 @@ class InputBatch:
     def sampling_batch(self, rows: np.ndarray, device: torch.device,
                        extra: np.ndarray | None = None) -> SamplingBatch:
         """The sampling tensors for batch rows `rows` (row indices of this batch, in the
-        order of the logits rows), as `sampler.make_sampling_batch` builds them from
+        order of the logits rows), as `sampling_batch.make_sampling_batch` builds them from
         per-request states; that function is the reference this one is tested against.
 
         `extra` (speculative decoding): per logits row, how many draft tokens (written
@@ -255,92 +259,64 @@ class InputBatch:
         def up(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.ascontiguousarray(a)).to(device)
 
-        temperature = seeds = steps = top_k = top_p = min_p = None
-        max_top_k = 0
+        batch = SamplingBatch(num_reqs, self.vocab_size, torch.device(device), all_greedy,
+                              all_random)
+        if not (all_random or all_greedy):
+            batch.random_rows = up(random_idx.astype(np.int64))
         if not all_greedy:
             rand = rows if all_random else rows[random_idx]
-            temperature = up(self.temperature[rand])
-            seeds = up(self.seed[rand])
-            steps = up(num_output if all_random else num_output[random_idx])
+            batch.temperature = up(self.temperature[rand])
+            batch.seeds = up(self.seed[rand])
+            batch.steps = up(num_output if all_random else num_output[random_idx])
             if uses["top_k"]:
                 ks = self.top_k[rand]
-                max_top_k = int(ks.max())
-                if max_top_k > 0:
-                    top_k = up(ks)
+                batch.max_top_k = int(ks.max())
+                if batch.max_top_k > 0:
+                    batch.top_k = up(ks)
             if uses["top_p"]:
                 ps = self.top_p[rand]
                 if (ps < 1.0).any():
-                    top_p = up(ps)
+                    batch.top_p = up(ps)
             if uses["min_p"]:
                 mps = self.min_p[rand]
                 if (mps > 0.0).any():
-                    min_p = up(mps)
+                    batch.min_p = up(mps)
 
-        repetition_penalty = seen_mask = None
         rep = self.repetition_penalty[rows] if uses["repetition"] else None
         if rep is not None and (rep != 1.0).any():
-            repetition_penalty = up(rep)
+            batch.repetition_penalty = up(rep)
             positions = np.arange(self.token_ids.shape[1])
             valid = (positions[None, :] < num_tokens[:, None]) & (rep != 1.0)[:, None]
-            seen_mask = self._token_mask(rows, valid, num_tokens, device, counts=False)
+            batch.seen_mask = self._token_mask(rows, valid, num_tokens, device, counts=False)
 
-        frequency_penalty = presence_penalty = output_counts = None
         if uses["penalties"]:
             freq, pres = self.frequency_penalty[rows], self.presence_penalty[rows]
             penalised = (freq != 0.0) | (pres != 0.0)
         if uses["penalties"] and penalised.any():
-            frequency_penalty, presence_penalty = up(freq), up(pres)
+            batch.frequency_penalty, batch.presence_penalty = up(freq), up(pres)
             positions = np.arange(self.token_ids.shape[1])
             valid = ((positions[None, :] >= self.num_prompt_tokens[rows][:, None])
                      & (positions[None, :] < num_tokens[:, None]) & penalised[:, None])
-            output_counts = self._token_mask(rows, valid, num_tokens, device, counts=True)
+            batch.output_counts = self._token_mask(rows, valid, num_tokens, device, counts=True)
 
-        min_tokens_rows = min_tokens_ids = None
         short = np.flatnonzero(num_output < self.min_tokens[rows]) if uses["min_tokens"] else ()
         if len(short):  # rare: a Python loop over those rows only
             mt_rows: list[int] = []
             mt_ids: list[int] = []
             for i in short.tolist():
                 row = int(rows[i])
-                p = self.params[row]
-                banned = set(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    banned.update(self.eos_token_ids[row])
-                banned = sorted(t for t in banned if 0 <= t < self.vocab_size)
+                banned = min_tokens_banned_ids(self.params[row], self.eos_token_ids[row],
+                                               self.vocab_size)
                 mt_rows.extend([i] * len(banned))
                 mt_ids.extend(banned)
             if mt_rows:
-                min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
-                min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
+                batch.min_tokens_rows = torch.tensor(mt_rows, dtype=torch.int64, device=device)
+                batch.min_tokens_ids = torch.tensor(mt_ids, dtype=torch.int64, device=device)
 
-        max_num_logprobs = None
         if uses["logprobs"] and num_reqs:
             lps = self.num_logprobs[rows]
-            max_num_logprobs = int(lps.max()) if lps.max() >= 0 else None
-
-        return SamplingBatch(
-            num_reqs=num_reqs,
-            vocab_size=self.vocab_size,
-            device=torch.device(device),
-            all_greedy=all_greedy,
-            all_random=all_random,
-            random_rows=None if all_random or all_greedy else up(random_idx.astype(np.int64)),
-            temperature=temperature,
-            seeds=seeds,
-            steps=steps,
-            top_k=top_k,
-            max_top_k=max_top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repetition_penalty=repetition_penalty,
-            seen_mask=seen_mask,
-            frequency_penalty=frequency_penalty,
-            presence_penalty=presence_penalty,
-            output_counts=output_counts,
-            min_tokens_rows=min_tokens_rows,
-            min_tokens_ids=min_tokens_ids,
-            max_num_logprobs=max_num_logprobs,
-        )
+            batch.max_num_logprobs = int(lps.max()) if lps.max() >= 0 else None
+        return batch
 
     def _token_mask(self, rows: np.ndarray, valid: np.ndarray, num_tokens: np.ndarray,
                     device: torch.device, counts: bool) -> torch.Tensor:

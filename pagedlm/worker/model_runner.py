@@ -15,7 +15,8 @@ import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.core.sched_output import SchedulerOutput
-from pagedlm.sample.sampler import Sampler, compute_logprobs
+from pagedlm.sample.ops import compute_logprobs
+from pagedlm.sample.sampler import Sampler
 from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
