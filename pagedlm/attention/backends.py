@@ -1,84 +1,36 @@
 """Pick an attention backend by name.
 
-Every backend has the same call:
-
-    backend.forward(query, key, value, k_cache, v_cache, meta, scale, *, alibi_slopes=None,
-                    sliding_window=None, logits_soft_cap=None) -> output
-    # query [num_tokens, num_heads, head_dim], key/value [num_tokens, num_kv_heads, head_dim],
-    # caches [num_blocks, block_size, num_kv_heads, head_dim]; output like query.
-
-It writes this step's key/value into the cache at `meta.slot_mapping` first, then
-attends causally over each request's context read from the paged cache.
-
-`alibi_slopes` ([num_heads] float32) adds the ALiBi bias `slope_h * (j - i)` to the
-score of query position i against key position j (0 on the diagonal, negative
-behind it). Softmax is shift-invariant per row, so this equals HF BLOOM's
-`slope_h * j`; the relative form keeps the bias small on long contexts.
-
-The score of query position i against key position j is, in this order:
-
-    s = (q_i . k_j) * scale
-    s = cap * tanh(s / cap)              if logits_soft_cap   (Gemma 2; before the bias)
-    s = s + slope_h * (j - i)            if alibi_slopes
-    s = -inf unless j <= i and (sliding_window is None or i - j < sliding_window)
-
-so a window W shows each query W keys, itself included. That is HF transformers'
-convention (checked against transformers 5.23 masking_utils.sliding_window_overlay:
-`kv_idx > q_idx - sliding_window`, used by Mistral, Qwen2, Gemma 2/3). Key blocks
-that lie wholly before i - W + 1 are never read through the mask, which is what lets
-the KV cache manager free them.
+Every backend implements `AttentionBackend` (`attention/base.py`, where the call and the
+scores it computes are described); `reference` is the slow oracle the others are tested
+against.
 """
 
 from collections.abc import Callable
-from typing import Protocol
 
-import torch
-
-from pagedlm.attention.metadata import AttentionMetadata
+from pagedlm.attention.base import AttentionBackend
+from pagedlm.attention.cpu_paged import CpuPagedAttention, cpu_kernels_available
 from pagedlm.attention.reference import ReferenceAttention
 from pagedlm.attention.torch_paged import TorchPagedAttention
 
-
-class AttentionBackend(Protocol):
-    name: str
-
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        alibi_slopes: torch.Tensor | None = None,
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor: ...
-
-
-_BACKENDS: dict[str, type] = {
+_BACKENDS: dict[str, type[AttentionBackend]] = {
     "torch": TorchPagedAttention,
     "reference": ReferenceAttention,
+    # Imports without a C++ compiler: the kernels build on first use, and the constructor
+    # raises ImportError where they cannot.
+    "cpu": CpuPagedAttention,
 }
 
 
-def _load_triton() -> type:
+def _load_triton() -> type[AttentionBackend]:
+    # Imported here, not at the top: triton is an optional package, and every other backend
+    # must load without it.
     from pagedlm.attention.triton_backend import TritonPagedAttention
 
     return TritonPagedAttention
 
 
-def _load_cpu() -> type:
-    from pagedlm.attention.cpu_paged import CpuPagedAttention
-
-    return CpuPagedAttention
-
-
-# Imported on first use, so that installs without their optional package (or, for "cpu",
-# without a C++ compiler) still work.
-_LAZY_BACKENDS: dict[str, Callable[[], type]] = {"triton": _load_triton, "cpu": _load_cpu}
+# Imported on first use, so that installs without their optional package still work.
+_LAZY_BACKENDS: dict[str, Callable[[], type[AttentionBackend]]] = {"triton": _load_triton}
 
 
 def resolve_backend_name(name: str, device_type: str) -> str:
@@ -86,8 +38,6 @@ def resolve_backend_name(name: str, device_type: str) -> str:
     if name != "auto":
         return name
     if device_type == "cpu":
-        from pagedlm.attention.cpu_paged import cpu_kernels_available
-
         return "cpu" if cpu_kernels_available() else "torch"
     return "torch"
 

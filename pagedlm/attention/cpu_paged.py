@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedlm.attention.base import AttentionOptions
 from pagedlm.attention.cpu_kernels import (
     load_cpu_kernels,
     paged_decode_attention,
@@ -40,47 +41,26 @@ class CpuPagedAttention(TorchPagedAttention):
         if not cpu_kernels_available():
             raise ImportError("the C++ CPU attention kernels could not be built (see the log)")
 
-    def _decodes(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows :num_decodes written
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> None:
+    def _decodes(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                 options: AttentionOptions) -> None:
         if query.device.type != "cpu":
-            super()._decodes(query, k_cache, v_cache, meta, scale, out, alibi_slopes,
-                             sliding_window, logits_soft_cap)
+            super()._decodes(query, k_cache, v_cache, meta, scale, out, options)
             return
         num_decodes = meta.num_decodes
         out[:num_decodes] = paged_decode_attention(
             query[:num_decodes], k_cache, v_cache, meta.block_tables[:num_decodes],
-            meta.seq_lens_cpu[:num_decodes], scale, alibi_slopes, sliding_window, logits_soft_cap,
+            meta.seq_lens_cpu[:num_decodes], scale, *options,
         )
 
-    def _prefills(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows num_decodes: written
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> None:
+    def _prefills(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, out: torch.Tensor, options: AttentionOptions) -> None:
+        alibi_slopes, sliding_window, logits_soft_cap = options
         if (query.device.type != "cpu" or alibi_slopes is not None or logits_soft_cap is not None
                 or k_cache.dtype not in _PREFILL_CACHE_DTYPES
                 or not prefill_kernel_supports(query.shape[-1])):
-            super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out, alibi_slopes,
-                              sliding_window, logits_soft_cap)
+            super()._prefills(query, key, value, k_cache, v_cache, meta, scale, out, options)
             return
         first = meta.query_start_loc_cpu[meta.num_decodes]
         starts = [s - first for s in meta.query_start_loc_cpu[meta.num_decodes:]]

@@ -15,32 +15,19 @@ and it syncs with the device (`.tolist()`) freely.
 
 import torch
 
+from pagedlm.attention.base import AttentionBackend, AttentionOptions
 from pagedlm.attention.metadata import AttentionMetadata
 
 
-class ReferenceAttention:
+class ReferenceAttention(AttentionBackend):
     name = "reference"
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
+    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, options: AttentionOptions) -> torch.Tensor:
+        alibi_slopes, sliding_window, logits_soft_cap = options
         num_heads = query.shape[1]
         num_kv_heads = key.shape[1]
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
-            )
         group = num_heads // num_kv_heads
         block_size = k_cache.shape[1]
 

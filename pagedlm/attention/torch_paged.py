@@ -41,6 +41,7 @@ only the `*_cpu` lists of the metadata, so the whole forward is sync-free on CUD
 import torch
 import torch.nn.functional as F
 
+from pagedlm.attention.base import AttentionBackend, AttentionOptions
 from pagedlm.attention.metadata import AttentionMetadata
 
 # `enable_gqa` appeared in torch 2.5; older versions need K/V expanded per group.
@@ -122,73 +123,38 @@ def decode_groups(seq_lens: list[int], min_fill: float = 0.8) -> list[tuple[int,
     return groups
 
 
-class TorchPagedAttention:
+class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
-        num_heads = query.shape[1]
-        num_kv_heads = key.shape[1]
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
-            )
-
+    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, options: AttentionOptions) -> torch.Tensor:
         write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
         out = torch.empty_like(query)  # [num_tokens, num_heads, head_dim]
-        opts = (alibi_slopes, sliding_window, logits_soft_cap)
         if meta.num_decodes > 0:
-            self._decodes(query, k_cache, v_cache, meta, scale, out, *opts)
+            self._decodes(query, k_cache, v_cache, meta, scale, out, options)
         if meta.num_decodes < meta.num_seqs:
-            self._prefills(query, key, value, k_cache, v_cache, meta, scale, out, *opts)
+            self._prefills(query, key, value, k_cache, v_cache, meta, scale, out, options)
         return out
 
-    def _prefills(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows num_decodes: written
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> None:
+    # The tensors below are `forward`'s (shapes in attention/base.py); `_decodes` writes rows
+    # :num_decodes of `out` [num_tokens, num_heads, head_dim], `_prefills` the rest.
+
+    def _prefills(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  scale: float, out: torch.Tensor, options: AttentionOptions) -> None:
         """Every prefill (or prefill chunk) of the step, one request at a time."""
-        opts = (alibi_slopes, sliding_window, logits_soft_cap)
         for r in range(meta.num_decodes, meta.num_seqs):
             start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
-            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale, *opts)
+            out[start:end] = self._prefill(r, query, key, value, k_cache, v_cache, meta, scale,
+                                           options)
 
-    def _decodes(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        out: torch.Tensor,  # [num_tokens, num_heads, head_dim], rows :num_decodes written
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> None:
+    def _decodes(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata, scale: float, out: torch.Tensor,
+                 options: AttentionOptions) -> None:
         """All decode rows of the step, in length buckets (see `decode_groups`)."""
+        sliding_window = options[1]
         # Layers with different windows (Gemma's local/global mix) share one step.
         cache_key = "decode_groups" if sliding_window is None else ("decode_groups", sliding_window)
         groups = meta.backend_cache.get(cache_key)
@@ -200,22 +166,11 @@ class TorchPagedAttention:
             meta.backend_cache[cache_key] = groups
         for start, end, max_len in groups:
             out[start:end] = self._decode(query, k_cache, v_cache, meta, scale, start, end, max_len,
-                                          alibi_slopes, sliding_window, logits_soft_cap)
+                                          options)
 
-    def _decode(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        start: int,
-        end: int,
-        max_len: int,
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> torch.Tensor:  # [end - start, num_heads, head_dim]
+    def _decode(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float, start: int, end: int, max_len: int,
+                options: AttentionOptions) -> torch.Tensor:  # [end - start, num_heads, head_dim]
         """Decodes start..end at once, padded to max_len: one gather, one SDPA call.
 
         `max_len` counts the keys each decode reads: its whole context, or with a window
@@ -232,6 +187,7 @@ class TorchPagedAttention:
         This measured faster than a hand-written matmul + softmax (which needs a
         strided-batch copy or a loop over kv heads) and than SDPA's enable_gqa.
         """
+        alibi_slopes, sliding_window, logits_soft_cap = options
         num_decodes = end - start
         num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
         num_heads = query.shape[1]
@@ -278,21 +234,12 @@ class TorchPagedAttention:
             )  # [B, num_kv_heads, group, head_dim]
         return o.reshape(num_decodes, num_heads, head_dim)
 
-    def _prefill(
-        self,
-        r: int,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-        alibi_slopes: torch.Tensor | None,
-        sliding_window: int | None,
-        logits_soft_cap: float | None,
-    ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-        """One prefill (or prefill chunk) request: causal attention over its context."""
+    def _prefill(self, r: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, options: AttentionOptions) -> torch.Tensor:
+        """One prefill (or prefill chunk) request: causal attention over its context.
+        Returns [q_len, num_heads, head_dim]."""
+        alibi_slopes, sliding_window, logits_soft_cap = options
         start, end = meta.query_start_loc_cpu[r], meta.query_start_loc_cpu[r + 1]
         q_len = end - start
         ctx_len = meta.seq_lens_cpu[r]

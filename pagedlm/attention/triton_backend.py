@@ -16,6 +16,7 @@ import torch
 from pagedlm.attention import triton_decode as td
 from pagedlm.attention import triton_kernels as tk
 from pagedlm.attention import triton_prefill as tp
+from pagedlm.attention.base import AttentionBackend, AttentionOptions
 from pagedlm.attention.metadata import AttentionMetadata
 
 # Used for the split heuristic when the tensors are not on a GPU (the interpreter),
@@ -23,7 +24,7 @@ from pagedlm.attention.metadata import AttentionMetadata
 _DEFAULT_NUM_SMS = 132
 
 
-class TritonPagedAttention:
+class TritonPagedAttention(AttentionBackend):
     name = "triton"
     # Graph-safe: launches depend only on host values in the metadata, which the decode
     # graph runner keeps fixed per captured size (upper bounds), and padding rows
@@ -40,26 +41,12 @@ class TritonPagedAttention:
         self.max_splits = max_splits
         self._num_sms: dict[torch.device, int] = {}
 
-    def forward(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-        scale: float,
-        *,
-        alibi_slopes: torch.Tensor | None = None,  # [num_heads] float32
-        sliding_window: int | None = None,
-        logits_soft_cap: float | None = None,
-    ) -> torch.Tensor:
+    def _forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                 scale: float, options: AttentionOptions) -> torch.Tensor:
+        alibi_slopes, sliding_window, logits_soft_cap = options
         num_heads, head_dim = query.shape[1], query.shape[2]
         num_kv_heads = key.shape[1]
-        if num_heads % num_kv_heads != 0:
-            raise ValueError(
-                f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}"
-            )
         if head_dim < 16 or head_dim & (head_dim - 1):
             raise ValueError(f"head_dim={head_dim}: the triton backend needs a power of two >= 16")
         if alibi_slopes is not None and (
@@ -74,8 +61,8 @@ class TritonPagedAttention:
             raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
         if logits_soft_cap is not None and not logits_soft_cap > 0:
             raise ValueError(f"logits_soft_cap={logits_soft_cap} must be > 0 or None")
-        options = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
-                       logits_soft_cap=logits_soft_cap)
+        kernel_options = dict(alibi_slopes=alibi_slopes, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap)
 
         tk.write_kv_cache(key, value, k_cache, v_cache, meta.slot_mapping)
 
@@ -86,13 +73,13 @@ class TritonPagedAttention:
             )
             td.paged_decode_attention(
                 out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
-                meta.num_decodes, scale, num_splits, split_len, partials, **options,
+                meta.num_decodes, scale, num_splits, split_len, partials, **kernel_options,
             )
         if meta.num_prefills > 0:
             tp.paged_prefill_attention(
                 out, query, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                 meta.query_start_loc, meta.num_decodes, meta.num_prefills,
-                meta.max_query_len, scale, **options,
+                meta.max_query_len, scale, **kernel_options,
             )
         return out
 
