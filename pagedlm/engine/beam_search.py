@@ -18,6 +18,12 @@ A parent chosen once keeps its request: only its last, not yet computed token is
 swapped. A parent chosen k times forks k - 1 children that share all its blocks (the
 partly filled last block is copied when first written). A parent not chosen is aborted
 and its blocks go back to the pool at once.
+
+The driver is policy only: it never touches the scheduler. It hands the engine core each
+group's first beam to schedule, and after every step a BeamSelection per group that
+selected (the children to fork, each with its parent, and the beams to abort), which the
+core applies in order. Beams are linked to their user request by the group that owns
+them (`owner`, `BeamGroup.request_id`), never by parsing ids.
 """
 
 from __future__ import annotations
@@ -25,8 +31,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.scheduler import Scheduler
+from pagedlm.core.request import Request
 from pagedlm.outputs import BeamSearchOutput, BeamSearchSequence
 from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -41,6 +46,7 @@ class _Hypothesis:
 
 @dataclass
 class BeamGroup:
+    request_id: str  # the user request this search answers
     prompt_token_ids: list[int]
     params: BeamSearchParams
     eos_token_ids: tuple[int, ...]
@@ -61,27 +67,36 @@ class BeamGroup:
         return cum_logprob / (generated_len ** self.params.length_penalty)
 
 
+@dataclass
+class BeamSelection:
+    """One group's selection, for the core to apply to its scheduler: the forks first, in
+    order (a fork starts running only while there is room under max_num_seqs), then the
+    aborts."""
+
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, child)
+    aborted: list[str] = field(default_factory=list)  # beam request ids
+
+
 class BeamSearchDriver:
     """Beam-search groups on the engine core, advanced by it after every step."""
 
-    def __init__(self, scheduler: Scheduler, eos_token_ids: tuple[int, ...]) -> None:
-        self.scheduler = scheduler
+    def __init__(self, eos_token_ids: tuple[int, ...]) -> None:
         self.eos_token_ids = eos_token_ids
         self._ids = itertools.count()
         self.groups: dict[str, BeamGroup] = {}  # user request id -> group
         self.owner: dict[str, BeamGroup] = {}  # beam request id -> group
-        self.group_ids: dict[int, str] = {}  # id(group) -> user request id
 
     def add(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams,
-            lora=None) -> None:
+            lora=None) -> Request:
+        """Start a search; returns its first beam for the core to schedule (if that
+        fails, `abort(request_id)` forgets the search)."""
         if request_id in self.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = BeamGroup(list(prompt_token_ids), params, self.eos_token_ids, lora)
+        group = BeamGroup(request_id, list(prompt_token_ids), params, self.eos_token_ids, lora)
         request = self._new_request(group, group.prompt_token_ids)
-        self.scheduler.add_request(request)
         self.groups[request_id] = group
-        self.group_ids[id(group)] = request_id
         self._track(group, self.owner, request, 0.0)
+        return request
 
     def has_groups(self) -> bool:
         return bool(self.groups)
@@ -89,17 +104,23 @@ class BeamSearchDriver:
     def has(self, request_id: str) -> bool:
         return request_id in self.groups
 
-    def abort(self, request_id: str) -> bool:
+    def request_of(self, beam_id: str) -> str | None:
+        """The user request a live beam belongs to (None: not a beam)."""
+        group = self.owner.get(beam_id)
+        return None if group is None else group.request_id
+
+    def abort(self, request_id: str) -> list[str] | None:
+        """Forget a search; returns its beams' ids for the core to abort (None: no such
+        search)."""
         group = self.groups.pop(request_id, None)
         if group is None:
-            return False
-        self.group_ids.pop(id(group), None)
-        self._abort(list(group.requests.values()), self.owner)
-        return True
+            return None
+        return self._abort(list(group.requests.values()), self.owner)
 
-    def on_step(self, record) -> list[tuple[str, BeamSearchOutput]]:
+    def on_step(self, record) -> tuple[list[BeamSelection], list[tuple[str, BeamSearchOutput]]]:
         """Record this step's candidates; select for every group whose beams all reported.
-        Returns the groups that finished, as (request id, output)."""
+        Returns the selections made, in order, and the groups that finished, as (request
+        id, output)."""
         for request in record.updated:
             group = self.owner.get(request.request_id)
             if group is None:
@@ -107,15 +128,14 @@ class BeamSearchDriver:
             lp = record.result.logprobs[request.request_id]
             group.candidates[request.request_id] = list(zip(lp.top_ids, lp.top_logprobs))
             request.paused = not request.is_finished()
-        finished = []
+        selections, finished = [], []
         for request_id, group in list(self.groups.items()):
             if group.beams and set(group.candidates) >= set(group.beams):
-                self._select(group, self.owner)
+                selections.append(self._select(group, self.owner))
                 if group.done:
                     del self.groups[request_id]
-                    self.group_ids.pop(id(group), None)
                     finished.append((request_id, self._output(group)))
-        return finished
+        return selections, finished
 
     def _new_request(self, group: BeamGroup, token_ids: list[int]) -> Request:
         params = SamplingParams(temperature=0.0, max_tokens=group.params.max_tokens,
@@ -132,7 +152,7 @@ class BeamSearchDriver:
         group.requests[request.request_id] = request
         owner[request.request_id] = group
 
-    def _select(self, group: BeamGroup, owner: dict[str, BeamGroup]) -> None:
+    def _select(self, group: BeamGroup, owner: dict[str, BeamGroup]) -> BeamSelection:
         width = group.params.beam_width
         some = next(iter(group.requests.values()))
         generated_len = some.num_output_tokens  # the candidates' generated length
@@ -166,10 +186,11 @@ class BeamSearchDriver:
         group.beams.clear()
         group.requests.clear()
         group.candidates.clear()
+        selection = BeamSelection()
         if not running or not group.improvement_possible:
             group.done = True
-            self._abort(old.values(), owner)
-            return
+            selection.aborted = self._abort(old.values(), owner)
+            return selection
         reused: set[str] = set()
         for cum, rid, token in running:
             parent = old[rid]
@@ -182,15 +203,19 @@ class BeamSearchDriver:
                 child = self._new_request(group, parent.prompt_token_ids)
                 child.output_token_ids = parent.output_token_ids[:-1] + [token]
                 child.all_token_ids = parent.all_token_ids[:-1] + [token]
-                self.scheduler.fork_request(parent, child)
+                selection.forks.append((parent, child))
                 self._track(group, owner, child, cum)
-        self._abort([r for rid, r in old.items() if rid not in reused], owner)
+        selection.aborted = self._abort([r for rid, r in old.items() if rid not in reused],
+                                        owner)
+        return selection
 
-    def _abort(self, requests, owner: dict) -> None:
+    @staticmethod
+    def _abort(requests, owner: dict) -> list[str]:
+        """Stop tracking these beams; returns their ids for the core to abort."""
         ids = [r.request_id for r in requests]
         for rid in ids:
             owner.pop(rid, None)
-        self.scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        return ids
 
     def _output(self, group: BeamGroup) -> BeamSearchOutput:
         sequences = []

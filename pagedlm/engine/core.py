@@ -27,7 +27,7 @@ from pagedlm.core.lora_slots import LoRASlots
 from pagedlm.core.request import Request, RequestStatus
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.core.scheduler import Scheduler
-from pagedlm.engine.beam_search import BeamSearchDriver
+from pagedlm.engine.beam_search import BeamSearchDriver, BeamSelection
 from pagedlm.engine.core_io import (
     CoreBeamRequest,
     CoreInfo,
@@ -112,7 +112,7 @@ class EngineCore:
         # LoRA adapters by name, read and checked against the model.
         self.loras = LoRARegistry(args.enable_lora, args.max_lora_rank,
                                   self.model_executor.check_lora)
-        self.beam_search = BeamSearchDriver(self.scheduler, eos_token_ids)
+        self.beam_search = BeamSearchDriver(eos_token_ids)
         self.proposer = make_proposer(args, self.device.type, self.hf_config.vocab_size,
                                       num_blocks, spec.block_size, self.max_model_len)
 
@@ -197,13 +197,21 @@ class EngineCore:
         if request.request_id in self._live_seqs or self.beam_search.has(request.request_id):
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         lora = None if request.lora_name is None else self.loras.get(request.lora_name)
-        self.beam_search.add(request.request_id, request.prompt_token_ids, request.params, lora)
+        first_beam = self.beam_search.add(request.request_id, request.prompt_token_ids,
+                                          request.params, lora)
+        try:
+            self.scheduler.add_request(first_beam)
+        except ValueError:
+            self.beam_search.abort(request.request_id)
+            raise
 
     def abort_requests(self, request_ids: Iterable[str]) -> None:
         """End user requests (every sequence, or the beam search); their blocks go back to
         the pool now. Unknown or finished ids are ignored."""
         for request_id in request_ids:
-            if self.beam_search.abort(request_id):
+            beam_ids = self.beam_search.abort(request_id)
+            if beam_ids is not None:
+                self.scheduler.finish_requests(beam_ids, RequestStatus.FINISHED_ABORTED)
                 continue
             seq_ids = self._live_seqs.pop(request_id, ())
             for seq_id in seq_ids:
@@ -296,7 +304,9 @@ class EngineCore:
                 self.proposer.record(sched.spec_token_ids, result.extra_token_ids)
             self._propose()
         if self.beam_search.has_groups():
-            out.beam_results = self.beam_search.on_step(self.last_step)
+            selections, out.beam_results = self.beam_search.on_step(self.last_step)
+            for selection in selections:
+                self._apply_beam_selection(selection)
         self._num_steps += 1
         self._num_prompt_tokens += sched.num_prompt_tokens
         self._num_generation_tokens += len(updated) + sum(num_extra.values())
@@ -318,6 +328,11 @@ class EngineCore:
                     if r.num_tokens - r.num_computed_tokens == 1 and not r.paused
                     and r.request_id in request_of and r.request_id not in structured]
         self.proposer.propose(decoding)
+
+    def _apply_beam_selection(self, selection: BeamSelection) -> None:
+        for parent, child in selection.forks:
+            self.scheduler.fork_request(parent, child)
+        self.scheduler.finish_requests(selection.aborted, RequestStatus.FINISHED_ABORTED)
 
     def _sampling_seq_ids(self, sched: SchedulerOutput) -> list[str]:
         """The sequences that sample a token at this step (a prompt's last chunk, a decode,
@@ -353,8 +368,7 @@ class EngineCore:
         for seq_id, message in failed.items():
             request_id = self._request_of.get(seq_id)
             if request_id is None:
-                group = self.beam_search.owner.get(seq_id)
-                request_id = self.beam_search.group_ids.get(id(group)) if group else None
+                request_id = self.beam_search.request_of(seq_id)
             if request_id is None or request_id in by_request:
                 continue
             logger.error("request %s failed: %s", request_id, message)
@@ -405,21 +419,20 @@ class EngineCore:
             num_lora_loads=scheduler.lora_slots.num_loads,
         )
 
-    @property
-    def request_of(self) -> dict[str, str]:
-        """Live sequence id -> its user request's id (read only: for reports)."""
-        return self._request_of
-
-    @property
-    def step_seconds(self) -> float:
-        """Time spent in step() since start."""
-        return self._step_seconds
+    def _owner_of(self, seq_id: str) -> tuple[str, str]:
+        """A live sequence's user request id and kind: "sample" (one of n), or "beam"."""
+        request_id = self._request_of.get(seq_id)
+        if request_id is not None:
+            return request_id, "sample"
+        return self.beam_search.request_of(seq_id) or seq_id, "beam"
 
     def dashboard_snapshot(self, stats: EngineStats | None = None) -> DashboardSnapshot:
         """Every block's state and every live sequence, for the live dashboard (`stats`:
         this moment's, if the caller has them already)."""
         start = time.perf_counter()
-        snapshot = build_snapshot(self, stats or self.get_stats())
+        copies = list(self.last_step.scheduled.copy_blocks) if self.last_step else []
+        snapshot = build_snapshot(self.kv_cache_manager, self.scheduler, copies, self._owner_of,
+                                  stats or self.get_stats(), self._step_seconds)
         self._snapshot_seconds += time.perf_counter() - start
         self._num_snapshots += 1
         snapshot.build_seconds_total = self._snapshot_seconds

@@ -16,17 +16,16 @@ from __future__ import annotations
 import base64
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedlm.core.block_states import STATE_NAMES, block_states, state_counts
+from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.request import Request, RequestStatus
+from pagedlm.core.scheduler import Scheduler
 from pagedlm.engine.stats import EngineStats
-
-if TYPE_CHECKING:
-    from pagedlm.engine.core import EngineCore
 
 SNAPSHOT_PERIOD_S = 0.25  # while a dashboard is open and the engine is busy: 4 per second
 
@@ -103,27 +102,23 @@ def sequence_row(request: Request, request_id: str, kind: str, block_ids: list[i
         preemptions=request.num_preemptions, block_ids=block_ids)
 
 
-def build_snapshot(core: EngineCore, stats: EngineStats) -> DashboardSnapshot:
-    """The snapshot of an engine core (its own cost counters are filled in by the core)."""
-    kv, sched = core.kv_cache_manager, core.scheduler
-    copies = list(core.last_step.scheduled.copy_blocks) if core.last_step else []
+def build_snapshot(kv: KVCacheManager, sched: Scheduler, copies: list[tuple[int, int]],
+                   owner_of: Callable[[str], tuple[str, str]], stats: EngineStats,
+                   step_seconds: float) -> DashboardSnapshot:
+    """The snapshot of an engine core's cache and scheduler (its own cost counters are
+    filled in by the core). `copies`: the last step's copy-on-write (src, dst) block ids;
+    `owner_of(seq_id)`: the user request id and kind ("sample", "beam") of a sequence."""
     states = block_states(kv.block_pool, [dst for _, dst in copies])
     refs = np.minimum(kv.block_pool.ref_counts, 255).astype(np.uint8)
     now = time.monotonic()
-    request_of = core.request_of
-    beam_owner, beam_ids = core.beam_search.owner, core.beam_search.group_ids
     rows = []
     pending = [f for followers in sched.pending_forks.values() for f in followers]
     for request in itertools.chain(sched.running, sched.waiting, pending):
         seq_id = request.request_id
-        parent = request_of.get(seq_id)
-        kind = "sample"
-        if parent is None:
-            group = beam_owner.get(seq_id)
-            parent, kind = (beam_ids.get(id(group)) if group else None) or seq_id, "beam"
+        parent, kind = owner_of(seq_id)
         rows.append(sequence_row(request, parent, kind, kv.get_block_ids(seq_id), now))
     return DashboardSnapshot(
         time=time.time(), step=stats.num_steps, block_size=kv.block_size,
         block_states=states.tobytes(), ref_counts=refs.tobytes(), sequences=rows, stats=stats,
-        copies=copies, build_seconds_total=0.0, step_seconds_total=core.step_seconds,
+        copies=copies, build_seconds_total=0.0, step_seconds_total=step_seconds,
         num_snapshots=0)
