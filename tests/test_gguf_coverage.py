@@ -26,7 +26,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.loader.gguf_loader import GGUF_ARCHITECTURES, GGUFCheckpoint
+from pagedlm.loader.gguf_architectures import GGUF_ARCHITECTURES
+from pagedlm.loader.gguf_loader import GGUFCheckpoint
 from tests.helpers import (
     TINY_TOKENS,
     check_greedy_match,

@@ -410,7 +410,7 @@ def test_dequantize_random_blocks_match_gguf_reference(qtype: QT) -> None:
 def test_gemma_merges_equal_transformers() -> None:
     from transformers.tokenization_utils_base import generate_merges
 
-    from pagedlm.loader.tokenizer import _gemma_merges
+    from pagedlm.loader.gguf_tokenizer import _gemma_merges
 
     tokens = ["<pad>", "a", "b", "c", "ab", "bc", "abc", "\u2581", "\u2581a", "ca", "abca", "bca"]
     vocab = {t: i for i, t in enumerate(tokens)}

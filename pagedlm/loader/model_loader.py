@@ -17,7 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from pagedlm.loader import ollama
+from pagedlm.loader.dummy import init_dummy_weights
+from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+from pagedlm.loader.safetensors_loader import count_safetensors, iterate_safetensors
 from pagedlm.models.registry import resolve_model_class
+from pagedlm.models.remote_configs import remote_config_from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -74,8 +78,6 @@ def resolve_model_source(model: str | None, revision: str | None = None) -> Mode
     """A local HF directory, a .gguf file, a Hugging Face repo id ("org/name", at
     `revision`), a model Ollama pulled ("ollama:NAME[:TAG]"), or None for the embedded
     default model."""
-    from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
-
     path = model if model is not None else default_model_path()
     if path.startswith(ollama.PREFIX):  # a GGUF blob in Ollama's store: no .gguf suffix
         checkpoint = GGUFCheckpoint(ollama.resolve(path))
@@ -116,8 +118,6 @@ def resolve_model_source(model: str | None, revision: str | None = None) -> Mode
 def _remote_config(raw: dict, error: Exception):
     """A native config for a model_type transformers does not know (remote-code checkpoints),
     built from config.json alone; the registry's error when no architecture is supported."""
-    from pagedlm.models.remote_configs import remote_config_from_dict
-
     config = remote_config_from_dict(raw)
     if config is not None:
         return config
@@ -155,16 +155,12 @@ def build_model(
     # The rotary tables are built in float32 and cast; keep them in the model dtype.
     expected = {name for name, _ in model.named_parameters()}
     if load_format == "dummy":
-        from pagedlm.loader.dummy import init_dummy_weights
-
         init_dummy_weights(model, seed=seed)
         return model.eval()
     if source.format == "gguf":
         weights = source.gguf.weights()
         total = len(source.gguf.tensor_infos)
     else:
-        from pagedlm.loader.safetensors_loader import count_safetensors, iterate_safetensors
-
         weights = iterate_safetensors(source.path)
         total = count_safetensors(source.path)
     loaded = model.load_weights(_with_progress(weights, total))
@@ -180,6 +176,9 @@ def build_model(
 
 
 def load_tokenizer_for(source: ModelSource, tokenizer: str | None):
+    # Imported here: the tokenizer stack (tokenizers and transformers' tokenization classes)
+    # takes about a second to import, and worker processes import this module for
+    # `build_model` alone.
     from pagedlm.loader.tokenizer import load_tokenizer
 
     if tokenizer is not None:

@@ -91,7 +91,7 @@ def hf_tokenizer(path):
     """transformers' GGUF tokenizer converter run on the file's metadata (its own GGUF
     reader would add ~30 s)."""
     from pagedlm.loader.gguf_loader import GGUFCheckpoint
-    from pagedlm.loader.tokenizer import _transformers_backend
+    from pagedlm.loader.gguf_tokenizer import _transformers_backend
 
     with GGUFCheckpoint(path) as ckpt:
         return _transformers_backend(ckpt.metadata)
