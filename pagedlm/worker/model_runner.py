@@ -1,8 +1,9 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-Step inputs are built with vectorised numpy over the scheduled requests: no Python loop
-over tokens or blocks. Requests are ordered decodes first (one query token each), then
-prefill chunks, which is the layout `AttentionMetadata` describes.
+Each step: apply the SchedulerOutput to the persistent batch (input_batch.py), gather the
+step's inputs from it (step_inputs.py), run the forward (eager, CUDA graphs or the C++
+decoder: `_forward`, picked when one is enabled), then sample the rows that reached their
+last token, verify speculative drafts and compute the logprobs asked for.
 """
 
 from __future__ import annotations
@@ -10,17 +11,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
 from pagedlm.sample.ops import compute_logprobs
 from pagedlm.sample.sampler import Sampler
 from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.lora_model import LoRAModel
+from pagedlm.worker.step_inputs import StepInputs, prepare_inputs
 
 logger = logging.getLogger(__name__)
 
@@ -48,27 +49,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     # request id -> why it could not be sampled (its own fault; the others were sampled)
     failed: dict[str, str] = field(default_factory=dict)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] token index of each sampled row's last token
-    # The persistent-batch row and request id behind each sampled row: a request that
-    # reached its last token, then each sample forked from it at this step (same logits
-    # row, its own seed).
-    sampled_rows: np.ndarray  # [num_sampled]
-    sampled_req_ids: list[str]
-    # Prompt-logprob rows: (request id, first position, token indices into the batch,
-    # target prompt token ids)
-    prompt_logprob_rows: list[tuple[str, int, np.ndarray, np.ndarray]]
-    # Speculative decoding: per sampled row, the drafts before its position (0.. k for a
-    # request verifying k drafts, which has k + 1 consecutive sampled rows); None: none.
-    sampled_extra: np.ndarray | None = None
-    # LoRA: [num_tokens] the adapter slot of each token (-1: none); None: no adapter.
-    lora_slots: np.ndarray | None = None
 
 
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
@@ -116,8 +96,6 @@ class ModelRunner:
     def enable_cpu_decoder(self) -> str:
         """Run pure-decode steps through the C++ decoder of models/llama_cpu_decode.py where
         the model qualifies (call after `bind_kv_cache`). Returns what was done, for the log."""
-        from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
-
         self.cpu_decoder, what = LlamaCpuDecoder.build(self.model)
         if self.cpu_decoder is None:
             if self._forward == self._forward_cpu_decoder:
@@ -147,128 +125,7 @@ class ModelRunner:
 
     def prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         """The step's tensors, gathered from the persistent batch (after `update`)."""
-        batch = self.input_batch
-        row_of = batch.row_of
-        spec = sched.spec_token_ids
-        for req_id, drafts in spec.items():
-            batch.write_drafts(req_id, drafts)
-        req_ids = list(sched.num_scheduled_tokens)
-        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-        q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
-        starts = batch.num_computed_tokens[rows]
-        drafts_before = group = None
-        if spec:
-            # A request verifying k drafts becomes k + 1 one-token rows, decodes like any
-            # other: its last token at position c, draft j at c + 1 + j, each row seeing
-            # the cache up to itself. Every row's K/V is written before attention reads,
-            # so this is causal attention over the drafts, through the decode kernels
-            # (the C++ decoder, CUDA graphs) instead of the prefill path.
-            k = np.fromiter((len(spec.get(r, ())) for r in req_ids), dtype=np.int64,
-                            count=len(req_ids))
-            reps = k + 1
-            group = np.repeat(np.arange(len(req_ids)), reps)
-            drafts_before = np.arange(len(group)) - np.repeat(np.cumsum(reps) - reps, reps)
-            rows, starts = rows[group], starts[group] + drafts_before
-            q_lens = np.where(k[group] > 0, 1, q_lens[group])
-        # Decodes first, longest context first (the attention backend buckets decodes by
-        # length), then prefill chunks, each group in scheduling order (a stable sort).
-        is_prefill = q_lens != 1
-        order = np.lexsort((np.where(is_prefill, 0, -starts), is_prefill))
-        rows, q_lens, starts = rows[order], q_lens[order], starts[order]
-        num_reqs = len(rows)
-        num_decodes = num_reqs - int(is_prefill.sum())
-        seq_lens = starts + q_lens
-        cu = np.zeros(num_reqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=cu[1:])
-        num_tokens = int(cu[-1])
-
-        req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
-        positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
-        row_of_token = rows[req_of_token]
-        input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
-        max_blocks = int(batch.num_blocks[rows].max())
-        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
-        slot_mapping = (
-            block_tables[req_of_token, positions // self.block_size] * self.block_size
-            + positions % self.block_size
-        )
-
-        # A request samples when the step reaches its last token (each of the rows of a
-        # request verifying drafts samples: as if the drafts before it were generated).
-        last_index = cu[1:] - 1
-        sampled_extra = None
-        if spec:
-            drafts_before, group = drafts_before[order], group[order]
-            samples = np.flatnonzero(seq_lens == batch.num_tokens[rows] + drafts_before)
-            # A verifying request's rows consecutive, in draft order (ModelRunner._verify).
-            samples = samples[np.lexsort((drafts_before[samples], group[samples]))]
-            sampled_extra = drafts_before[samples]
-        else:
-            samples = np.flatnonzero(seq_lens == batch.num_tokens[rows])
-        if not sched.fork_reqs:
-            sampled_rows = rows[samples]
-            logits_indices = last_index[samples]
-        else:
-            sampled_list: list[int] = []
-            index_list: list[int] = []
-            extra_list: list[int] = []
-            for i in samples.tolist():
-                row = int(rows[i])
-                # Forks only follow a prompt's last chunk, never a verifying request.
-                followers = () if spec and drafts_before[i] else sched.fork_reqs.get(
-                    batch.req_ids[row], ())
-                for r in (row, *(row_of[f.req_id] for f in followers)):
-                    sampled_list.append(r)
-                    index_list.append(int(last_index[i]))
-                    extra_list.append(int(drafts_before[i]) if spec else 0)
-            sampled_rows = np.array(sampled_list, dtype=np.int64)
-            logits_indices = np.array(index_list, dtype=np.int64)
-            if spec:
-                sampled_extra = np.array(extra_list, dtype=np.int64)
-        sampled_req_ids = [batch.req_ids[r] for r in sampled_rows.tolist()]
-
-        prompt_rows = []
-        for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
-            row = int(rows[i])
-            # Position p predicts prompt token p + 1; only positions inside the prompt count.
-            first = int(starts[i])
-            last = min(first + int(q_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
-            if last <= first:
-                continue
-            idx = np.arange(cu[i], cu[i] + (last - first), dtype=np.int64)
-            targets = batch.token_ids[row, first + 1 : last + 1].copy()
-            prompt_rows.append((batch.req_ids[row], first + 1, idx, targets))
-
-        lora_slots = None
-        if batch.num_lora_rows:
-            lora_slots = batch.lora_slot[rows][req_of_token]  # [num_tokens]
-
-        up = self._upload
-        meta = AttentionMetadata(
-            num_decodes=num_decodes,
-            num_decode_tokens=num_decodes,
-            num_prefills=num_reqs - num_decodes,
-            num_tokens=num_tokens,
-            max_query_len=int(q_lens.max()),
-            max_seq_len=int(seq_lens.max()),
-            query_start_loc=up(cu),
-            seq_lens=up(seq_lens),
-            block_tables=up(block_tables),
-            slot_mapping=up(slot_mapping),
-            query_start_loc_cpu=cu.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
-        )
-        return StepInputs(
-            input_ids=up(input_ids),
-            positions=up(positions),
-            meta=meta,
-            logits_indices=up(logits_indices),
-            sampled_rows=sampled_rows,
-            sampled_req_ids=sampled_req_ids,
-            prompt_logprob_rows=prompt_rows,
-            sampled_extra=sampled_extra,
-            lora_slots=lora_slots,
-        )
+        return prepare_inputs(self.input_batch, sched, self.block_size, self._upload)
 
     # ----- one step ---------------------------------------------------------------------
 
