@@ -37,20 +37,12 @@ _QWEN2_SPLIT = (
 
 # tokenizer.ggml.pre -> (pre-tokenizer style, BPE ignore_merges)
 _PRE_TOKENIZER_STYLES: dict[str, tuple[str, bool]] = {
-    "default": ("gpt2", False),
-    "gpt2": ("gpt2", False),
+    **dict.fromkeys(["default", "gpt2"], ("gpt2", False)),
     # StarCoder-lineage vocabularies isolate every digit, then apply the GPT-2 split.
-    "smollm": ("digits+gpt2", False),
-    "starcoder": ("digits+gpt2", False),
-    "refact": ("digits+gpt2", False),
-    "llama3": ("cl100k", True),
-    "llama-v3": ("cl100k", True),
-    "llama-bpe": ("cl100k", True),
-    "smaug-bpe": ("cl100k", False),
-    "dbrx": ("cl100k", False),
-    "falcon3": ("cl100k", False),
-    "qwen2": ("qwen2", False),
-    "deepseek-r1-qwen": ("qwen2", False),
+    **dict.fromkeys(["smollm", "starcoder", "refact"], ("digits+gpt2", False)),
+    **dict.fromkeys(["llama3", "llama-v3", "llama-bpe"], ("cl100k", True)),
+    **dict.fromkeys(["smaug-bpe", "dbrx", "falcon3"], ("cl100k", False)),
+    **dict.fromkeys(["qwen2", "deepseek-r1-qwen"], ("qwen2", False)),
 }
 
 
