@@ -6,6 +6,10 @@ Heavy runs (each 8B engine or HF model) go to a child process of this script, so
 starts with an empty GPU. Results are merged into benchmarks/results/gpu/results.json
 (so phases may be split over several calls) and rendered to results.md. Without CUDA
 the script says so and exits 0 having measured nothing.
+
+This file is the command, the heavy runs and their child processes; next to it are the
+quick GPU phases (gpu_checks.py), the HF baselines (hf_runs.py) and the model measured
+with the figures and report derived from it (gpu_report.py).
 """
 
 from __future__ import annotations
@@ -27,14 +31,18 @@ THROUGHPUT_RUNS = ("pagedlm_graphs", "hf_cb", "hf_static", "pagedlm_eager")
 DEVICE = "cuda"
 REPO = Path(__file__).resolve().parents[2]
 
-# Llama-3-8B's architecture; weights are dummy (load_format="dummy").
-LLAMA3_8B = dict(
-    architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=4096,
-    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-    intermediate_size=14336, vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5,
-    max_position_embeddings=8192, hidden_act="silu", tie_word_embeddings=False,
-    bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16",
+# The script's parts, next to it (run as a script, or loaded from its path by the tests).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_checks import check_correctness, measure_micro, write_model_dir  # noqa: E402
+from gpu_report import (  # noqa: E402
+    LLAMA3_8B,
+    llama_num_params,  # noqa: F401 - tests/test_gpu_script.py reads it as run_all.*
+    render_markdown,
+    summarize,
+    write_results,
 )
+from hf_runs import hf_cb_throughput, hf_static_throughput  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,147 +86,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-# --- derived figures and the report (pure: unit-tested on CPU) ------------------------------
-
-
-def llama_num_params(cfg: dict[str, Any]) -> int:
-    h, inter, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
-    kv_dim = h // cfg["num_attention_heads"] * cfg["num_key_value_heads"]
-    per_layer = 2 * h * h + 2 * h * kv_dim + 3 * h * inter + 2 * h  # q,o; k,v; mlp; norms
-    embed = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
-    return cfg["num_hidden_layers"] * per_layer + embed + h
-
-
-def summarize(m: dict[str, Any], cfg: dict[str, Any] = LLAMA3_8B) -> dict[str, Any]:
-    """Ratios against the hardware: decode vs the bandwidth floor, throughput vs compute."""
-    params = llama_num_params(cfg)
-    s: dict[str, Any] = {"params": params, "weight_bytes": 2 * params}
-    if "copy_gbps" in m:
-        s["decode_floor_ms"] = s["weight_bytes"] / (m["copy_gbps"] * 1e9) * 1e3
-        for mode in ("graphs", "eager"):
-            ms = m.get(f"decode_ms_per_token_{mode}")
-            if ms is not None:
-                s[f"decode_{mode}_vs_floor"] = ms / s["decode_floor_ms"]
-    if "matmul_tflops" in m:
-        s["ceiling_tokens_per_s"] = m["matmul_tflops"] * 1e12 / (2 * params)
-    tp = m.get("throughput", {})
-    hf_static = tp.get("hf_static", {}).get("total_tokens_per_s")
-    hf_cb = tp.get("hf_cb", {}).get("total_tokens_per_s")
-    for name, r in tp.items():
-        tps = r.get("total_tokens_per_s")
-        if tps is None:
-            continue
-        row = {"total_tokens_per_s": tps}
-        if "ceiling_tokens_per_s" in s:
-            row["fraction_of_ceiling"] = tps / s["ceiling_tokens_per_s"]
-        if hf_static:
-            row["vs_hf_static"] = tps / hf_static
-        if hf_cb:
-            row["vs_hf_cb"] = tps / hf_cb
-        s.setdefault("throughput", {})[name] = row
-    return s
-
-
-def _fmt(x: Any, spec: str = ".3g") -> str:
-    return "—" if x is None else (format(x, spec) if isinstance(x, float) else str(x))
-
-
-def render_markdown(m: dict[str, Any], s: dict[str, Any]) -> str:
-    lines = ["# pagedlm on GPU", "", f"Device: {m.get('device', '?')}, torch {m.get('torch', '?')}",
-             ""]
-    if m.get("errors"):
-        lines += ["## Runs that failed", ""]
-        lines += [f"- {k}: `{v}`" for k, v in m["errors"].items()]
-        lines.append("")
-    if "tests" in m:
-        lines += ["## Tests", "", f"`{m['tests']['command']}`: exit {m['tests']['rc']} — "
-                  f"{m['tests']['summary']}", ""]
-    if "correctness" in m:
-        lines += ["## Greedy outputs", "", "| check | equal |", "|---|---|"]
-        lines += [f"| {k} | {'yes' if v else '**NO**'} |" for k, v in m["correctness"].items()]
-        lines.append("")
-    lines += ["## Hardware and decode (Llama-3-8B architecture, dummy bf16 weights)", "",
-              "| figure | value |", "|---|---|",
-              f"| parameters | {s['params'] / 1e9:.2f} B |",
-              f"| bf16 matmul | {_fmt(m.get('matmul_tflops'))} TFLOP/s |",
-              f"| device copy bandwidth | {_fmt(m.get('copy_gbps'))} GB/s |",
-              f"| decode floor (weights / bandwidth) | {_fmt(s.get('decode_floor_ms'))} ms |"]
-    for mode in ("graphs", "eager"):
-        ms = m.get(f"decode_ms_per_token_{mode}")
-        lines.append(f"| batch-1 decode, {mode} | {_fmt(ms)} ms/token "
-                     f"({_fmt(s.get(f'decode_{mode}_vs_floor'))} x floor) |")
-    lines.append(f"| compute ceiling (2 x params FLOPs/token) | "
-                 f"{_fmt(s.get('ceiling_tokens_per_s'))} tokens/s |")
-    if s.get("throughput"):
-        lines += ["", f"## Throughput, {m.get('num_prompts', '?')} ShareGPT requests", "",
-                  "| run | total tokens/s | vs HF static | vs HF continuous | of ceiling |",
-                  "|---|---|---|---|---|"]
-        for name, r in s["throughput"].items():
-            lines.append(f"| {name} | {r['total_tokens_per_s']:.1f} | "
-                         f"{_fmt(r.get('vs_hf_static'), '.2f')} | "
-                         f"{_fmt(r.get('vs_hf_cb'), '.2f')} | "
-                         f"{_fmt(r.get('fraction_of_ceiling'), '.1%')} |")
-    return "\n".join(lines) + "\n"
-
-
-def write_results(out_dir: str | Path, m: dict[str, Any]) -> dict[str, Any]:
-    """Merge `m` into out_dir/results.json, rewrite results.md; returns the merged data."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    merged = json.loads(path.read_text()) if path.exists() else {}
-    for k, v in m.items():
-        if isinstance(v, dict) and isinstance(merged.get(k), dict):
-            merged[k] = {**merged[k], **v}
-        else:
-            merged[k] = v
-    summary = summarize(merged)
-    path.write_text(json.dumps({**merged, "summary": summary}, indent=2) + "\n")
-    (out / "results.md").write_text(render_markdown(merged, summary))
-    return merged
-
-
-# --- GPU measurements --------------------------------------------------------------------------
-
-
-def write_model_dir(root: Path, cfg: dict[str, Any]) -> str:
-    root.mkdir(parents=True, exist_ok=True)
-    (root / "config.json").write_text(json.dumps(cfg))
-    return str(root)
+# --- the heavy runs: each in a child process of its own, the model on DEVICE ---------------
 
 
 def smollm2_tokenizer() -> str:
     from pagedlm.loader.default_model import default_model_path
 
     return default_model_path()  # fetched on first use, as pagedlm's own default model is
-
-
-def _cuda_time(fn, iters: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / 1e3 / iters  # seconds per call
-
-
-def measure_micro() -> dict[str, float]:
-    import torch
-
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = _cuda_time(lambda: torch.mm(a, b), 20)
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    tc = _cuda_time(lambda: dst.copy_(src), 20)
-    # A copy reads and writes every byte: count both, as decode's weight reads are.
-    return {"matmul_tflops": 2 * n**3 / t / 1e12, "copy_gbps": 2 * src.numel() / tc / 1e9}
 
 
 def _llm_kwargs(model_dir: str, eager: bool) -> dict[str, Any]:
@@ -291,107 +165,14 @@ def child_throughput(model_dir: str, which: str, num_prompts: int, hf_bs: int,
         llm = LLM(skip_tokenizer_init=True, max_num_seqs=256,
                   **_llm_kwargs(model_dir, eager=which.endswith("eager")))
         return run_pagedlm(llm, requests, ignore_eos=True, use_tqdm=False)
-    from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     with torch.device(DEVICE):
         model = AutoModelForCausalLM.from_config(LlamaConfig(**cfg), dtype=torch.bfloat16).eval()
-    prompt_tokens = sum(r.prompt_len for r in requests)
     if which == "hf_static":
-        from pagedlm.benchmarks.hf_baseline import run_hf_static
-        from pagedlm.benchmarks.throughput import PretokenizedPrompts
-
-        tok = _OnDevice(PretokenizedPrompts(requests, cfg["eos_token_id"]))
-        reqs = tok.requests(requests)
-        with torch.inference_mode():
-            return run_hf_static(model, tok, reqs, max_batch_size=hf_bs, num_threads=None,
-                                 use_tqdm=False)
-    from pagedlm.benchmarks.throughput import throughput_figures
-
-    gen = GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0,
-                           max_new_tokens=max(r.output_len for r in requests),
-                           eos_token_id=-1, pad_token_id=0)
-    manager = model.init_continuous_batching(generation_config=gen)
-    manager.start()
-    start = time.perf_counter()
-    for i, r in enumerate(requests):
-        manager.add_request(r.prompt_token_ids, request_id=str(i), max_new_tokens=r.output_len)
-    generated = 0
-    for _ in requests:
-        result = manager.get_result(timeout=600)
-        generated += len(result.generated_tokens)
-    elapsed = time.perf_counter() - start
-    manager.stop(block=True)
-    return throughput_figures(elapsed, len(requests), prompt_tokens, generated)
-
-
-class _OnDevice:
-    """A tokenizer whose encodings land on DEVICE (the HF baseline encodes on the host)."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "_inner":
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._inner, name, value)
-
-    def __call__(self, *a: Any, **kw: Any) -> dict:
-        return {k: v.to(DEVICE) for k, v in self._inner(*a, **kw).items()}
-
-
-def check_correctness(tmp: Path) -> dict[str, bool]:
-    """Greedy tokens: CUDA (Triton, graphs on and off) vs the CPU torch path and HF."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from pagedlm import LLM, SamplingParams
-
-    torch.manual_seed(0)
-    tiny_cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                    initializer_range=0.08, tie_word_embeddings=False)
-    tiny = tmp / "tiny"
-    hf = LlamaForCausalLM(LlamaConfig(**tiny_cfg)).eval()
-    hf.save_pretrained(tiny, safe_serialization=True)
-    prompts = [[(5 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate([3, 11, 24, 7])]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-
-    def greedy(model_dir: str, **kw: Any) -> list[list[int]]:
-        llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", block_size=4,
-                  kv_cache_memory=1 << 24, max_model_len=256, max_num_seqs=8, **kw)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        return [o.outputs[0].token_ids for o in outs]
-
-    hf = hf.cuda()
-    hf_tokens = []
-    with torch.inference_mode():
-        for p in prompts:
-            out = hf.generate(torch.tensor([p], device="cuda"), do_sample=False,
-                              max_new_tokens=16, min_new_tokens=16, pad_token_id=0)
-            hf_tokens.append(out[0, len(p):].tolist())
-    cpu_ref = greedy(str(tiny), device="cpu", attention_backend="torch")
-    res = {"tiny HF model: CPU torch path == HF transformers (CUDA)": cpu_ref == hf_tokens}
-    for eager in (True, False):
-        mode = "eager" if eager else "CUDA graphs"
-        got = greedy(str(tiny), device="cuda", attention_backend="triton", enforce_eager=eager)
-        res[f"tiny HF model: CUDA triton, {mode} == CPU torch path"] = got == cpu_ref
-        res[f"tiny HF model: CUDA triton, {mode} == HF transformers"] = got == hf_tokens
-    # Dummy weights are drawn per device, so the CUDA runs are compared with each other
-    # and with the torch backend on the same device.
-    dummy = write_model_dir(tmp / "dummy", {**tiny_cfg, "architectures": ["LlamaForCausalLM"],
-                                            "model_type": "llama"})
-    ref = greedy(dummy, device="cuda", attention_backend="torch", load_format="dummy")
-    for eager in (True, False):
-        mode = "eager" if eager else "CUDA graphs"
-        got = greedy(dummy, device="cuda", attention_backend="triton", load_format="dummy",
-                     enforce_eager=eager)
-        res[f"dummy weights: CUDA triton, {mode} == CUDA torch path"] = got == ref
-    return res
+        return hf_static_throughput(model, requests, cfg["eos_token_id"], hf_bs, DEVICE)
+    return hf_cb_throughput(model, requests)
 
 
 def _run_child(args: argparse.Namespace, child: str, arg: str, model_dir: str,
