@@ -14,20 +14,37 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import gguf
 import numpy as np
 import torch
 
-from pagedlm.loader.gguf_format import unpermute_qk
+from pagedlm.loader.gguf_format import GGUFTensorInfo, unpermute_qk
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-    from pagedlm.loader.gguf_loader import GGUFCheckpoint
 
-ConfigTransform = Callable[["GGUFCheckpoint", dict[str, Any]], None]
+class GGUFCheckpointView(Protocol):
+    """What the hooks below read from an open GGUF file (``gguf_loader.GGUFCheckpoint``,
+    which uses this table, so the table names the checkpoint only by this interface)."""
+
+    path: str
+    architecture: str
+    metadata: dict[str, Any]
+    tensor_infos: dict[str, GGUFTensorInfo]
+
+    def arch_value(self, suffix: str, default: Any = None) -> Any: ...
+
+    def rope_parameters(self) -> dict[str, Any]: ...
+
+    def read_array(self, gguf_name: str) -> np.ndarray: ...
+
+    def warn(self, message: str) -> None: ...
+
+
+ConfigTransform = Callable[[GGUFCheckpointView, dict[str, Any]], None]
 TensorTransform = Callable[["PretrainedConfig", str, torch.Tensor], torch.Tensor]
 
 # GGUF key suffix (after "<arch>.") -> HF config attribute, for the Llama-like families.
@@ -119,9 +136,9 @@ class GGUFArchSpec:
     ignored_tensors: frozenset[str] = frozenset({"rope_freqs.weight"})
     tensor_transform: TensorTransform | None = None
     # The HF modules when they depend on the file (Falcon's one or two layer norms).
-    file_modules: Callable[[GGUFCheckpoint], tuple[str, ...]] | None = None
+    file_modules: Callable[[GGUFCheckpointView], tuple[str, ...]] | None = None
 
-    def modules(self, ckpt: GGUFCheckpoint) -> tuple[str, ...]:
+    def modules(self, ckpt: GGUFCheckpointView) -> tuple[str, ...]:
         return self.hf_modules if self.file_modules is None else self.file_modules(ckpt)
 
 
@@ -148,7 +165,7 @@ def gguf_to_hf_names(arch: str, hf_modules: tuple[str, ...]) -> dict[str, str]:
 # --------------------------------------------------------------------------------------------
 
 
-def _rotary_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _rotary_config(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     """Llama-like families: GQA head counts, head_dim, RoPE, attention biases."""
     n_head = int(kwargs["num_attention_heads"])
     kwargs.setdefault("num_key_value_heads", n_head)
@@ -164,11 +181,11 @@ def _rotary_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
                   "config cannot express; they are ignored")
 
 
-def _no_attention_bias_flag(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _no_attention_bias_flag(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     kwargs.pop("attention_bias", None)  # Qwen2's biases are always there
 
 
-def _gemma_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _gemma_config(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     """What llama.cpp's Gemma code hard-codes rather than reads from the file.
 
     * the attention scale: 1/sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2,
@@ -202,7 +219,7 @@ def _gemma_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
         kwargs["eos_token_id"] = [eos] if end_of_turn == eos else [eos, end_of_turn]
 
 
-def _phi3_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _phi3_config(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     """Phi-3's converter writes the rotary dimension (``partial_rotary_factor * head_dim``), not
     the head size; a sliding window of 0 means none (Phi-4); Phi-3 128k's longrope factors
     travel as two tensors, its attention factor as ``rope.scaling.attn_factor``."""
@@ -228,7 +245,7 @@ def _phi3_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
         kwargs["rope_parameters"] = rope
 
 
-def _gpt2_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _gpt2_config(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     # llama.cpp's starcoder always has one shared KV head; GPT-2 has as many as query heads.
     n_kv = int(ckpt.arch_value("attention.head_count_kv", kwargs["n_head"]))
     if ckpt.architecture == "starcoder":
@@ -240,7 +257,7 @@ def _gpt2_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"{ckpt.path}: gpt2 GGUF with {n_kv} KV heads for {kwargs['n_head']} heads")
 
 
-def _falcon_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
+def _falcon_config(ckpt: GGUFCheckpointView, kwargs: dict[str, Any]) -> None:
     """Falcon's decoder layout from the tensors: two layer norms (attn_norm_2 present) is the
     new architecture of Falcon-40B/180B; one norm and one KV head is Falcon-7B's multi-query
     layout; one norm and grouped KV heads is the new architecture with one norm (Falcon2-11B).
@@ -258,7 +275,7 @@ def _falcon_config(ckpt: GGUFCheckpoint, kwargs: dict[str, Any]) -> None:
         raise ValueError(f"{ckpt.path}: {n_head} attention heads are not a multiple of {n_kv} KV heads")
 
 
-def _falcon_modules(ckpt: GGUFCheckpoint) -> tuple[str, ...]:
+def _falcon_modules(ckpt: GGUFCheckpointView) -> tuple[str, ...]:
     if "blk.0.attn_norm_2.weight" in ckpt.tensor_infos:
         norms = ("transformer.h.{bid}.ln_attn", "transformer.h.{bid}.ln_mlp")
     else:
