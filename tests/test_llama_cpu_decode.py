@@ -80,8 +80,8 @@ def test_decoder_on_the_embedded_gguf_model():
     """SmolLM2's float32 weights are exact Q4_1 / Q8_0 blocks: up to 8 rows take the block
     kernel, more the float32 panels; 10 prompts cross that line as they finish."""
     llm = LLM(smollm2_path(), skip_tokenizer_init=True, num_threads=2, enable_prefix_caching=False)
-    qkv = llm.llm_engine.model_executor.driver_worker.model.model.layers[0].self_attn.qkv_proj.matmul
-    assert type(qkv).__name__ == "BlockWeightMatmul" and qkv.max_rows < 10
+    qkv = llm.llm_engine.model_executor.driver_worker.model.model.layers[0].self_attn.qkv_proj.weight_kernel
+    assert type(qkv).__name__ == "QuantBlockMatmul" and qkv.max_rows < 10
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None
     prompts = [{"prompt_token_ids": [1, 2 + i, 300 + 7 * i, 45]} for i in range(10)]
@@ -158,7 +158,7 @@ def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
     runner = LLM(tiny_llama_dir, skip_tokenizer_init=True, num_threads=1).llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None
     mlp = runner.model.model.layers[1].mlp
-    mlp.down_proj.matmul = lambda x, bias: x @ torch.zeros(64, 128).T  # a matmul it cannot know
+    mlp.down_proj.weight_kernel = lambda x, bias: x @ torch.zeros(64, 128).T  # a matmul it cannot know
     assert "layer 1: down_proj multiplies with function" in runner.enable_cpu_decoder()
     assert runner.cpu_decoder is None and runner._forward == runner._forward_eager
     eager = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", enforce_eager=True,

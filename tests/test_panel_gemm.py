@@ -11,9 +11,9 @@ from pagedlm.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
 from pagedlm.layers.panel_weights import (
     PanelWeightMatmul,
     pack_panels,
-    pack_weights_panels,
     panel_kernels,
 )
+from pagedlm.layers.weight_format import apply_weight_format
 
 pytestmark = pytest.mark.skipif(panel_kernels() is None, reason="panel kernel could not be built")
 
@@ -103,7 +103,7 @@ def test_matmul_keeps_leading_dims_and_input_dtype():
     assert mm(x.bfloat16(), None).dtype == torch.bfloat16
 
 
-def test_pack_weights_panels_replaces_every_linear_and_keeps_a_tied_embedding():
+def test_weight_format_packs_every_linear_and_keeps_a_tied_embedding():
     torch.manual_seed(0)
     embed = VocabParallelEmbedding(50, 32)
     embed.weight.data.normal_()
@@ -117,7 +117,7 @@ def test_pack_weights_panels_replaces_every_linear_and_keeps_a_tied_embedding():
     weights = {id(m): m.weight.detach().clone() for m in (merged, proj, head)}
     x = torch.randn(5, 32)
     expected_merged, expected_head = F.linear(x, weights[id(merged)]), F.linear(x, weights[id(head)])
-    assert pack_weights_panels(model, torch.float32) == 3
+    assert apply_weight_format(model, "auto") == ["CPU linear weights: float32 panels on 3 layers"]
     assert merged.weight.numel() == 0 and proj.weight.numel() == 0
     assert head.weight is embed.weight and embed.weight.shape == (50, 32)  # still tied
     torch.testing.assert_close(merged(x), expected_merged, rtol=1e-5, atol=1e-5)
@@ -126,9 +126,8 @@ def test_pack_weights_panels_replaces_every_linear_and_keeps_a_tied_embedding():
     torch.testing.assert_close(proj(h), F.linear(h, weights[id(proj)], proj.bias), rtol=1e-5, atol=1e-5)
 
 
-def test_pack_cpu_weights_picks_the_path_per_weight_dtype(monkeypatch):
-    import pagedlm.layers.fp16_weights as fp16_weights
-    from pagedlm.layers.panel_weights import pack_cpu_weights
+def test_weight_format_picks_the_path_per_weight_dtype(monkeypatch):
+    from pagedlm.layers import weight_format
 
     def model():
         layer = ReplicatedLinear(32, 20, bias=False)
@@ -136,9 +135,9 @@ def test_pack_cpu_weights_picks_the_path_per_weight_dtype(monkeypatch):
         return torch.nn.ModuleList([layer])
 
     m = model()
-    assert pack_cpu_weights(m, "auto") == "float32 panels on 1 layers"
-    assert m[0].matmul.panels.dtype == torch.float32
-    monkeypatch.setattr(fp16_weights, "fp16_weights_supported", lambda: False)
+    assert apply_weight_format(m, "auto") == ["CPU linear weights: float32 panels on 1 layers"]
+    assert m[0].weight_kernel.panels.dtype == torch.float32
+    monkeypatch.setattr(weight_format, "fp16_weights_supported", lambda: False)
     m = model()
-    assert pack_cpu_weights(m, "float16") == "float16 panels on 1 layers"  # no fbgemm
-    assert m[0].matmul.panels.dtype == torch.float16
+    assert apply_weight_format(m, "float16") == ["CPU linear weights: float16 panels on 1 layers"]  # no fbgemm
+    assert m[0].weight_kernel.panels.dtype == torch.float16

@@ -184,10 +184,10 @@ def test_quantize_q8_0_rounds_each_block_to_its_own_scale():
 
 
 def test_pack_weights_q8_keeps_exact_blocks_and_rounds_the_rest():
-    from pagedlm.layers.block_weights import BlockWeight
     from pagedlm.layers.linear import ReplicatedLinear
     from pagedlm.layers.panel_weights import PanelWeightMatmul
-    from pagedlm.layers.q8_weights import pack_weights_q8
+    from pagedlm.layers.quant_block_weights import QuantBlockWeight
+    from pagedlm.layers.weight_format import apply_weight_format
 
     g = torch.Generator().manual_seed(4)
     exact = ReplicatedLinear(64, 16, bias=False)
@@ -195,7 +195,7 @@ def test_pack_weights_q8_keeps_exact_blocks_and_rounds_the_rest():
     raw = quantize(torch.randn(16, 64, generator=g).numpy(), T.Q4_1)
     weight = torch.from_numpy(dequantize_raw(raw.reshape(-1), T.Q4_1, (16, 64)))
     exact.weight.data.copy_(weight)
-    assert BlockWeight.recover(weight) is not None
+    assert QuantBlockWeight.recover(weight) is not None
     rounded = ReplicatedLinear(64, 8, bias=True)
     rounded.weight.data.normal_(generator=g)
     rounded.bias.data.normal_(generator=g)
@@ -203,11 +203,11 @@ def test_pack_weights_q8_keeps_exact_blocks_and_rounds_the_rest():
     odd.weight.data.normal_(generator=g)
     float_weights = [m.weight.detach().clone() for m in (exact, rounded, odd)]
     model = torch.nn.ModuleList([exact, rounded, odd])
-    assert pack_weights_q8(model) == ("int8 matmuls on 3 layers (1 exact, 1 rounded to Q8_0, "
-                                      "1 float32)")
-    assert isinstance(exact.matmul, Q8WeightMatmul) and exact.matmul.q4_1
-    assert isinstance(rounded.matmul, Q8WeightMatmul) and not rounded.matmul.q4_1
-    assert isinstance(odd.matmul, PanelWeightMatmul)
+    assert apply_weight_format(model, "q8") == [
+        "CPU linear weights: int8 matmuls on 3 layers (1 exact, 1 rounded to Q8_0, 1 float32)"]
+    assert isinstance(exact.weight_kernel, Q8WeightMatmul) and exact.weight_kernel.q4_1
+    assert isinstance(rounded.weight_kernel, Q8WeightMatmul) and not rounded.weight_kernel.q4_1
+    assert isinstance(odd.weight_kernel, PanelWeightMatmul)
     x = torch.randn(5, 64, generator=g)
     torch.testing.assert_close(exact(x), reference_matmul(x, float_weights[0]).float())
     requantized = quantize_q8_0(float_weights[1])
@@ -225,7 +225,7 @@ def test_q8_engine_computes_what_the_reference_matmuls_compute(tiny_llama_dir):
 
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=2)
     model = llm.llm_engine.model_executor.driver_worker.model
-    layers = [m for m in model.modules() if isinstance(m.__dict__.get("matmul"), Q8WeightMatmul)]
+    layers = [m for m in model.modules() if isinstance(getattr(m, "weight_kernel", None), Q8WeightMatmul)]
     assert len(layers) == 4 * len(model.model.layers) + 1  # qkv, o, gate_up, down + LM head
     prompts = [{"prompt_token_ids": [1, 5, 9, 200, 33, 7, 99, 4, 18]},
                {"prompt_token_ids": [3, 3, 48, 120]}]
@@ -242,7 +242,7 @@ def test_q8_engine_computes_what_the_reference_matmuls_compute(tiny_llama_dir):
                                     *x.shape[:-1], mm.out_features)
 
     for m in layers:
-        m.matmul = reference(m.matmul)
+        m.weight_kernel = reference(m.weight_kernel)
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
     assert runner.cpu_decoder is not None  # it holds the packed weights: the reference runs the layers
     runner._forward = runner._forward_eager

@@ -62,7 +62,7 @@ def test_float16_weights_close_to_float32(tiny_llama_dir):
     model = llm16.llm_engine.model_executor.driver_worker.model
 
     def float16_matmul(m):
-        mm = m.__dict__.get("matmul")
+        mm = getattr(m, "weight_kernel", None)
         return isinstance(mm, Fp16WeightMatmul) or (
             isinstance(mm, PanelWeightMatmul) and mm.panels.dtype == torch.float16)
 

@@ -227,12 +227,13 @@ def test_shapes_that_would_shard_wrongly_are_refused(monkeypatch):
 def test_q8_refuses_row_shards_not_aligned_to_quant_blocks(monkeypatch):
     from torch import nn
 
-    from pagedlm.layers import linear, parallel_state, q8_weights
+    from pagedlm.layers import linear, parallel_state, weight_format
     from pagedlm.layers.parallel_state import TensorParallelGroup
 
     group = TensorParallelGroup(0, 2)
     monkeypatch.setattr(linear, "get_tp_group", lambda: group)
     monkeypatch.setattr(parallel_state, "get_tp_group", lambda: group)
+    monkeypatch.setattr(weight_format, "get_tp_group", lambda: group)
     model = nn.Sequential(linear.RowParallelLinear(96, 32))  # 48 per rank; 96 = 3 * 32
     with pytest.raises(ValueError, match="48 of its 96 input features per rank"):
-        q8_weights.pack_weights_q8(model)
+        weight_format.apply_weight_format(model, "q8")

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from pagedlm.layers.block_weights import BlockWeight
 from pagedlm.layers.panel_weights import pack_panels, panel_kernels
 from pagedlm.layers.q8_weights import Q8WeightMatmul
+from pagedlm.layers.quant_block_weights import QuantBlockWeight
 from pagedlm.layers.quant_blocks import dequantize_raw
 
 # (out_features, in_features, layers): qkv, o, gate_up, down, LM head
@@ -54,7 +54,7 @@ def main() -> None:
             ggml_type = GGMLQuantizationType.Q8_0 if layers == 1 else GGMLQuantizationType.Q4_1
             raw = quantize(np.random.default_rng(n + k).normal(0, 0.05, (n, k)).astype(np.float32), ggml_type)
             w = torch.from_numpy(dequantize_raw(raw.reshape(-1), ggml_type, (n, k)))  # as loaded
-            q8 = Q8WeightMatmul(BlockWeight.recover(w).blocks, ggml_type)
+            q8 = Q8WeightMatmul(QuantBlockWeight.recover(w).blocks, ggml_type)
             x = torch.randn(rows, k)
             fp16 = torch.ops.quantized.linear_prepack_fp16(w, None)
             p32, p16 = pack_panels(w, torch.float32), pack_panels(w, torch.float16)

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from revision_build import build_revision
 
-from pagedlm.layers.block_weights import BlockWeight
 from pagedlm.layers.q8_weights import pack_blocks, q8_kernels
+from pagedlm.layers.quant_block_weights import QuantBlockWeight
 from pagedlm.layers.quant_blocks import dequantize_raw
 
 SOURCE = "pagedlm/csrc/q8_gemm_cpu.cpp"
@@ -35,7 +35,7 @@ def weights():
         ggml_type = GGMLQuantizationType.Q8_0 if layers == 1 else GGMLQuantizationType.Q4_1
         raw = quantize(np.random.default_rng(n + k).normal(0, 0.05, (n, k)).astype(np.float32), ggml_type)
         w = torch.from_numpy(dequantize_raw(raw.reshape(-1), ggml_type, (n, k)))
-        packed, scales = pack_blocks(BlockWeight.recover(w).blocks, ggml_type)
+        packed, scales = pack_blocks(QuantBlockWeight.recover(w).blocks, ggml_type)
         out.append((packed, scales, ggml_type == GGMLQuantizationType.Q4_1))
     return out
 

@@ -1,7 +1,7 @@
 """Model matmul time per decode step, float32 vs float16 weights (fbgemm), on SmolLM2-135M's
 shapes with 30 distinct layers so the weights stream from memory as in a real forward; then
 the same for few rows with the GGUF block kernel (Q4_1 linear layers, Q8_0 LM head, as the
-embedded model holds them; layers/block_weights.py).
+embedded model holds them; layers/quant_block_weights.py).
 
     python benchmarks/cpu/weight_stream.py
 """
@@ -57,9 +57,9 @@ def dense_steps(weights, packed, head, head16):
 
 def block_section(weights, packed, head, head16, repeats: int) -> None:
     """fp32 / fp16 / block-kernel model matmul time per step for few rows."""
-    from pagedlm.layers.block_weights import block_kernels
+    from pagedlm.layers.quant_block_weights import quant_block_kernels
 
-    ops = block_kernels()
+    ops = quant_block_kernels()
     if ops is None:
         print("block kernel unavailable (no compiler, or PAGEDLM_DISABLE_CPU_KERNELS)")
         return

@@ -3,7 +3,7 @@
 // the bytes of weights streamed from memory; a Q4_1 weight is 5 bits per value against 16
 // (float16) or 32 (float32).
 //
-// The blocks hold exactly the values the loader dequantised (layers/block_weights.py
+// The blocks hold exactly the values the loader dequantised (layers/quant_block_weights.py
 // recovers them and checks every block), so the maths is that of F.linear on the float32
 // weights; only the order of the float32 sums differs:
 //

@@ -37,7 +37,7 @@
 #include <string>
 
 // One linear layer's matmul, x @ W.T (+ bias), as its Python matmul object computes it
-// (layers/q8_weights.py, layers/panel_weights.py, layers/block_weights.py):
+// (layers/q8_weights.py, layers/panel_weights.py, layers/quant_block_weights.py):
 //   q8     the int8 kernel over Q4_1 / Q8_0 blocks;
 //   panel  float32 or float16 panels;
 //   block  GGUF blocks for inputs of up to `max_rows` rows, panels for larger ones.

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedlm.layers.linear import WeightKernel
 from pagedlm.layers.parallel_state import all_gather_last_dim, all_reduce, get_tp_group
 
 
@@ -43,12 +44,17 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over this rank's vocab slice, then gathers."""
 
+    # As LinearBase's: set by layers/weight_format.py; the weight is kept (it may be the
+    # embedding's, tied).
+    weight_kernel: WeightKernel | None = None
+
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Replaced per instance when weights are packed (layers/fp16_weights.py)."""
-        return F.linear(x, self.weight, bias)
+        if self.weight_kernel is None:
+            return F.linear(x, self.weight, bias)
+        return self.weight_kernel(x, bias)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden_states, None)  # [num_tokens, shard_size]

@@ -13,7 +13,6 @@ streamed from memory), model matmul time per step, float32 -> float16 weights:
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 
 def fp16_weights_supported() -> bool:
@@ -38,14 +37,3 @@ class Fp16WeightMatmul:
         if bias is not None:
             y.add_(bias)
         return y.to(x.dtype).view(*lead, self.out_features)  # [..., out_features]
-
-
-def pack_weights_fp16(model: nn.Module) -> int:
-    """Give every linear layer and the LM head of `model` float16 weights (their float32
-    copies are dropped; a tied LM head keeps the embedding it shares). Returns the number
-    of layers packed."""
-    from pagedlm.layers.linear import repack_linear_weights
-
-    if not fp16_weights_supported():
-        raise ValueError("weight_dtype='float16' needs torch's fbgemm backend (x86 CPUs)")
-    return repack_linear_weights(model, Fp16WeightMatmul)

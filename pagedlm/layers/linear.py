@@ -11,7 +11,7 @@ tensor, so models load HF checkpoints unchanged whatever the tensor-parallel siz
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,30 @@ from pagedlm.layers.parallel_state import all_gather_last_dim, all_reduce, get_t
 
 if TYPE_CHECKING:
     from pagedlm.layers.lora import LoRAWeights
+
+
+class WeightKernel(Protocol):
+    """Multiplies by a weight held in another format than a float [out, in] tensor
+    (layers/weight_format.py picks one per layer, once, after loading)."""
+
+    in_features: int
+    out_features: int
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [..., in_features] -> x @ W.T (+ bias) [..., out_features]."""
+        ...
+
+
+class DenseWeightKernel:
+    """F.linear over a float [out, in] weight: what a layer without a kernel does, as a
+    kernel object for wrappers that fall back to it (layers/quant_block_weights.py)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
@@ -40,6 +64,9 @@ class LinearBase(nn.Module):
     # Adapter slots (layers/lora.py), where LoRA is enabled: their delta is added to the
     # output of `matmul`, whatever format the weight is in.
     lora: LoRAWeights | None = None
+    # The weight in another format (float16, panels, quant blocks), set once after loading
+    # by layers/weight_format.py, which then drops `weight`; None: F.linear over `weight`.
+    weight_kernel: WeightKernel | None = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
         super().__init__()
@@ -54,9 +81,10 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias). Replaced per instance when weights are packed in another
-        format (layers/fp16_weights.py)."""
-        return F.linear(x, self.weight, bias)
+        """x @ weight.T (+ bias), in whatever format the weight is held."""
+        if self.weight_kernel is None:
+            return F.linear(x, self.weight, bias)
+        return self.weight_kernel(x, bias)
 
     @staticmethod
     def _copy(param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
@@ -176,20 +204,3 @@ class RowParallelLinear(LinearBase):
         # before it (the parts sum to the whole, as the matmul's do).
         y = all_reduce(self.project(x, None))
         return y + self.bias if self.bias is not None else y
-
-
-def repack_linear_weights(model: nn.Module, make_matmul) -> int:
-    """Give every CPU linear layer and LM head of `model` the `matmul` that
-    `make_matmul(weight)` builds from its [out, in] weight (a packed copy), dropping the
-    linear layers' own weights; a tied LM head keeps the embedding it shares. Returns the
-    number of layers repacked."""
-    from pagedlm.layers.embedding import ParallelLMHead
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead) and module.weight.device.type == "cpu":
-            module.matmul = make_matmul(module.weight)
-            if isinstance(module, LinearBase):
-                module.weight = nn.Parameter(torch.empty(0), requires_grad=False)
-            count += 1
-    return count

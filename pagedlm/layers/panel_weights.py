@@ -12,7 +12,6 @@ fbgemm (each weight rounded to float16 once, widened back to float32 in the kern
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from pagedlm.csrc import load_extension
 
@@ -52,34 +51,3 @@ class PanelWeightMatmul:
         x2 = x.reshape(-1, self.in_features).float().contiguous()  # [rows, in_features]
         y = self.gemm(x2, self.panels, self.out_features, None if bias is None else bias.float())
         return y.to(x.dtype).view(*lead, self.out_features)  # [..., out_features]
-
-
-def pack_weights_panels(model: nn.Module, dtype: torch.dtype) -> int:
-    """Give every linear layer and the LM head of `model` panel-packed weights of `dtype`
-    (their [N, K] copies are dropped; a tied LM head keeps the embedding it shares).
-    Returns the number of layers packed; 0 when the kernel is not available."""
-    from pagedlm.layers.linear import repack_linear_weights
-
-    kernels = panel_kernels()
-    if kernels is None:
-        return 0
-    return repack_linear_weights(model, lambda weight: PanelWeightMatmul(weight, dtype, kernels))
-
-
-def pack_cpu_weights(model: nn.Module, weight_dtype: str) -> str:
-    """Pack the linear weights of a float32 CPU model for its matmuls: float32 panels for
-    `weight_dtype='auto'`; for 'float16', fbgemm's float16 GEMM, or float16 panels where
-    torch has no fbgemm. (Interleaved end to end on the ShareGPT benchmark, float16 panels
-    and fbgemm were level within noise, fbgemm 2% ahead.) Returns what was done, for the log."""
-    from pagedlm.layers.fp16_weights import fp16_weights_supported, pack_weights_fp16
-
-    if weight_dtype == "float16":
-        if fp16_weights_supported():
-            return f"float16 (fbgemm) on {pack_weights_fp16(model)} layers"
-        count = pack_weights_panels(model, torch.float16)
-        if count == 0:
-            raise ValueError("weight_dtype='float16' needs torch's fbgemm backend or the "
-                             "C++ panel kernel, and neither is available")
-        return f"float16 panels on {count} layers"
-    count = pack_weights_panels(model, torch.float32)
-    return f"float32 panels on {count} layers" if count else "float32 (F.linear)"

@@ -43,7 +43,7 @@ def _pad_scales(scale: torch.Tensor) -> torch.Tensor:
 
 
 def pack_blocks(blocks: torch.Tensor, ggml_type: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF blocks [N, K / 32, bytes] uint8 (layers/block_weights.py's form) -> the kernel's
+    """GGUF blocks [N, K / 32, bytes] uint8 (layers/quant_block_weights.py's form) -> the kernel's
     (packed, scales)."""
     if ggml_type == GGMLQuantizationType.Q4_1:
         d = blocks[..., 0:2].contiguous().view(torch.float16)[..., 0]  # [N, B]
@@ -118,54 +118,3 @@ def quantize_q8_0(weight: torch.Tensor) -> torch.Tensor:
     blocks[..., 0:2] = d16.view(torch.uint8).view(n, k // BLOCK, 2)
     blocks[..., 2:] = q.view(torch.uint8)
     return blocks
-
-
-def _check_tp_alignment(model) -> None:
-    """Under tensor parallelism a row-parallel layer sees 1/N of the input features; if that
-    share is not a multiple of 32 while the whole is, the shard would fall back to float32
-    and compute something else than one rank does (activations rounded per 32 values)."""
-    from pagedlm.layers.linear import RowParallelLinear
-    from pagedlm.layers.parallel_state import get_tp_group
-
-    tp = get_tp_group().size
-    if tp == 1:
-        return
-    for name, module in model.named_modules():
-        if isinstance(module, RowParallelLinear):
-            share = module.weight.shape[1]
-            if share % BLOCK and (share * tp) % BLOCK == 0:
-                raise ValueError(
-                    f"weight_dtype='q8' with tensor_parallel_size={tp}: {name} gets {share} of "
-                    f"its {share * tp} input features per rank, not a multiple of {BLOCK}; use "
-                    "another tensor-parallel size or weight_dtype='auto'")
-
-
-def pack_weights_q8(model) -> str:
-    """Give every linear layer and the LM head of a float32 CPU model an integer matmul:
-    weights that are exactly GGUF Q4_1 / Q8_0 blocks keep them, others are rounded to Q8_0;
-    a layer whose input size is not a multiple of 32 keeps float32 panels. Returns what was
-    done, for the log."""
-    from pagedlm.layers.block_weights import BlockWeight
-    from pagedlm.layers.linear import repack_linear_weights
-    from pagedlm.layers.panel_weights import PanelWeightMatmul, panel_kernels
-
-    kernels = q8_kernels()
-    if kernels is None:
-        raise ValueError("weight_dtype='q8' needs the C++ CPU kernels (a C++ compiler and ninja)")
-    _check_tp_alignment(model)
-    counts = {"exact": 0, "rounded to Q8_0": 0, "float32": 0}
-
-    def make_matmul(weight: torch.Tensor):
-        if weight.shape[1] % BLOCK:
-            counts["float32"] += 1
-            return PanelWeightMatmul(weight, torch.float32, panel_kernels())
-        found = BlockWeight.recover(weight)
-        if found is not None:
-            counts["exact"] += 1
-            return Q8WeightMatmul(found.blocks, found.ggml_type, kernels)
-        counts["rounded to Q8_0"] += 1
-        return Q8WeightMatmul(quantize_q8_0(weight), GGMLQuantizationType.Q8_0, kernels)
-
-    total = repack_linear_weights(model, make_matmul)
-    done = ", ".join(f"{n} {what}" for what, n in counts.items() if n)
-    return f"int8 matmuls on {total} layers ({done})"

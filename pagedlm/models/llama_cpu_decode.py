@@ -20,28 +20,31 @@ shared-memory all-reduce the Python layers use (ranks on one machine; not across
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 
+from pagedlm.attention.cpu_paged import CpuPagedAttention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
+from pagedlm.layers.activation import SiluAndMul
 from pagedlm.layers.attention import FP8_MAX
+from pagedlm.layers.embedding import VocabParallelEmbedding
+from pagedlm.layers.norm import RMSNorm
+from pagedlm.layers.panel_weights import PanelWeightMatmul
 from pagedlm.layers.parallel_state import get_tp_group, shm_all_reduce
+from pagedlm.layers.q8_weights import Q8WeightMatmul
+from pagedlm.layers.quant_block_weights import QuantBlockMatmul
+from pagedlm.layers.rotary import RotaryEmbedding
+from pagedlm.models.llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaForCausalLM,
+    LlamaMLP,
+    LlamaModel,
+)
 
 
 def _why_not(model) -> str | None:
     """None if the C++ decoder computes exactly what `model.forward` does, else why not."""
-    from pagedlm.attention.cpu_paged import CpuPagedAttention
-    from pagedlm.layers.activation import SiluAndMul
-    from pagedlm.layers.embedding import VocabParallelEmbedding
-    from pagedlm.layers.norm import RMSNorm
-    from pagedlm.layers.rotary import RotaryEmbedding
-    from pagedlm.models.llama import (
-        LlamaAttention,
-        LlamaDecoderLayer,
-        LlamaForCausalLM,
-        LlamaMLP,
-        LlamaModel,
-    )
-
     if not isinstance(model, LlamaForCausalLM) or type(model).forward is not LlamaForCausalLM.forward:
         return f"{type(model).__name__} is not a Llama-family model with Llama's forward"
     inner = model.model
@@ -75,8 +78,8 @@ def _why_not(model) -> str | None:
             return f"layer {i}: no CPU KV cache bound"
         for name, lin in (("qkv_proj", attn.qkv_proj), ("o_proj", attn.o_proj),
                           ("gate_up_proj", mlp.gate_up_proj), ("down_proj", mlp.down_proj)):
-            if _linear_kind(lin.matmul) is None:
-                return (f"layer {i}: {name} multiplies with {type(lin.matmul).__name__}, not the "
+            if _linear_kind(lin.weight_kernel) is None:
+                return (f"layer {i}: {name} multiplies with {type(lin.weight_kernel).__name__}, not the "
                         "q8, panel or GGUF-block kernels")
             if lin.bias is not None and lin.bias.dtype != torch.float32:
                 return f"layer {i}: {name} has a {lin.bias.dtype} bias"
@@ -86,26 +89,21 @@ def _why_not(model) -> str | None:
     return None
 
 
-def _linear_kind(matmul) -> str | None:
-    """Which of the C++ decoder's matmuls computes what `matmul` computes, if any."""
-    from pagedlm.layers.block_weights import BlockWeightMatmul
-    from pagedlm.layers.panel_weights import PanelWeightMatmul
-    from pagedlm.layers.q8_weights import Q8WeightMatmul
-
-    if isinstance(matmul, Q8WeightMatmul):
+def _linear_kind(kernel) -> str | None:
+    """Which of the C++ decoder's matmuls computes what a layer's `weight_kernel` computes,
+    if any (None: F.linear, or a format the decoder does not know)."""
+    if isinstance(kernel, Q8WeightMatmul):
         return "q8"
-    if isinstance(matmul, PanelWeightMatmul):
+    if isinstance(kernel, PanelWeightMatmul):
         return "panel"
-    if isinstance(matmul, BlockWeightMatmul) and isinstance(matmul.fallback, PanelWeightMatmul):
+    if isinstance(kernel, QuantBlockMatmul) and isinstance(kernel.fallback, PanelWeightMatmul):
         return "block"
     return None
 
 
 def _linear(kernels, lin):
     """The C++ decoder's form of linear layer `lin`'s matmul (see `_linear_kind`)."""
-    from gguf import GGMLQuantizationType
-
-    mm = lin.matmul
+    mm = lin.weight_kernel
     bias = None if lin.bias is None else lin.bias.data
     kind = _linear_kind(mm)
     if kind == "q8":

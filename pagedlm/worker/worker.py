@@ -21,13 +21,13 @@ from pagedlm.attention.backends import get_attention_backend, resolve_backend_na
 from pagedlm.config import EngineArgs, GiB
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
 from pagedlm.layers.parallel_state import all_gather_last_dim
+from pagedlm.layers.weight_format import apply_weight_format
 from pagedlm.loader.model_loader import ModelSource, build_model
 from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_cuda
 from pagedlm.worker.lora_model import LoRAModel
 from pagedlm.worker.model_runner import ModelRunner, ModelRunnerOutput
-from pagedlm.worker.weight_formats import prepare_cpu_weights
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Worker:
         self.model = build_model(source, backend, max_len, self.dtype, self.device,
                                  args.load_format, args.seed)
         if self.device.type == "cpu" and self.dtype == torch.float32:
-            for line in prepare_cpu_weights(self.model, args.weight_dtype):
+            for line in apply_weight_format(self.model, args.weight_dtype):
                 logger.info(line)
         # The cache geometry comes from the model's own attention layers: config names for
         # KV heads differ between architectures (Falcon's multi_query, GPT-2's n_head, ...).

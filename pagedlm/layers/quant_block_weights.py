@@ -1,4 +1,4 @@
-"""Linear weights kept in the GGUF block format they were dequantised from, for small batches.
+"""Linear weights kept in the GGUF quant-block format they were dequantised from, for small batches.
 
 Decode steps with a few sequences are bound by the bytes of weights streamed per step. A
 model loaded from a Q4_1 GGUF holds float32 weights that are exactly ``d * q + m`` for
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType
-from torch import nn
 
 from pagedlm.csrc import load_extension
+from pagedlm.layers.linear import WeightKernel
 from pagedlm.layers.quant_blocks import dequantize_raw
 
 BLOCK = 32
@@ -49,7 +49,7 @@ _CHUNK_BLOCKS = 8192
 _SCALE_STEPS = (1, -1, 2, -2)
 
 
-def block_kernels():
+def quant_block_kernels():
     """The compiled kernel module, or None (no compiler, or PAGEDLM_DISABLE_CPU_KERNELS)."""
     return load_extension("block_gemv_cpu")
 
@@ -181,34 +181,35 @@ def recover_blocks(weight: torch.Tensor, ggml_type: GGMLQuantizationType) -> tor
 
 
 @dataclass
-class BlockWeight:
+class QuantBlockWeight:
     """One weight in a block format: `blocks` [out_features, in_features / 32, bytes]."""
 
     ggml_type: GGMLQuantizationType
     blocks: torch.Tensor
 
     @staticmethod
-    def recover(weight: torch.Tensor) -> BlockWeight | None:
+    def recover(weight: torch.Tensor) -> QuantBlockWeight | None:
         """The smallest block format that holds `weight` exactly, if any."""
         for ggml_type in (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0):
             blocks = recover_blocks(weight, ggml_type)
             if blocks is not None:
-                return BlockWeight(ggml_type, blocks)
+                return QuantBlockWeight(ggml_type, blocks)
         return None
 
 
 # --------------------------------------------------------------------------------------------
-# The layer hook
+# The kernel
 # --------------------------------------------------------------------------------------------
 
 
-class BlockWeightMatmul:
+class QuantBlockMatmul:
     """`x @ W.T (+ bias)`: the block kernel for inputs of up to `max_rows` rows, `fallback`
-    (the layer's previous `matmul`) for larger ones and for dtypes other than float32."""
+    (the kernel of the layer's other format) for larger ones and for dtypes other than
+    float32."""
 
-    def __init__(self, weight: BlockWeight, fallback: Callable, max_rows: int,
+    def __init__(self, weight: QuantBlockWeight, fallback: WeightKernel, max_rows: int,
                  kernels=None) -> None:
-        kernels = kernels or block_kernels()
+        kernels = kernels or quant_block_kernels()
         assert kernels is not None, "the block kernel is not built"
         self.ggml_type = weight.ggml_type
         self.blocks = weight.blocks
@@ -228,36 +229,3 @@ class BlockWeightMatmul:
         lead = x.shape[:-1]
         y = self.gemv(x.reshape(rows, self.in_features).contiguous(), self.blocks, bias)
         return y.view(*lead, self.out_features)  # [..., out_features]
-
-
-def recover_block_weights(model: nn.Module) -> list[tuple[nn.Module, BlockWeight]]:
-    """The block form of every linear layer and LM head weight of `model` that has one.
-    Run it while the weights are still float32 (before float16 packing); empty when the
-    kernel is not available or the model is not a float32 CPU model."""
-    from pagedlm.layers.embedding import ParallelLMHead
-    from pagedlm.layers.linear import LinearBase
-
-    if block_kernels() is None:
-        return []
-    found = []
-    for module in model.modules():
-        if isinstance(module, LinearBase | ParallelLMHead) and module.weight.device.type == "cpu":
-            weight = BlockWeight.recover(module.weight)
-            if weight is not None:
-                found.append((module, weight))
-    return found
-
-
-def attach_block_weights(found: list[tuple[nn.Module, BlockWeight]]) -> int:
-    """Route small inputs of each layer in `found` to the block kernel, wrapping whatever
-    `matmul` the layer has now (float16 packing included). Returns the number of layers."""
-    from pagedlm.layers.fp16_weights import Fp16WeightMatmul
-    from pagedlm.layers.panel_weights import PanelWeightMatmul
-
-    kernels = block_kernels()
-    for module, weight in found:
-        fallback = module.matmul
-        max_rows = (MAX_ROWS_OVER_PACKED if isinstance(fallback, Fp16WeightMatmul | PanelWeightMatmul)
-                    else MAX_ROWS_OVER_FP32)
-        module.matmul = BlockWeightMatmul(weight, fallback, max_rows, kernels)
-    return len(found)

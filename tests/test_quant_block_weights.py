@@ -1,4 +1,4 @@
-"""GGUF block weights (layers/block_weights.py, csrc/block_gemv_cpu.cpp): exact recovery of
+"""GGUF quant-block weights (layers/quant_block_weights.py, csrc/block_gemv_cpu.cpp): exact recovery of
 Q4_1 / Q8_0 blocks from dequantised float32 weights, the kernel against a float64
 reference, dispatch by rows, and greedy decoding with and without it."""
 
@@ -8,14 +8,12 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from pagedlm.layers.block_weights import (
+from pagedlm.layers.quant_block_weights import (
     MAX_ROWS_OVER_FP32,
     MAX_ROWS_OVER_PACKED,
-    BlockWeight,
-    BlockWeightMatmul,
-    attach_block_weights,
-    block_kernels,
-    recover_block_weights,
+    QuantBlockMatmul,
+    QuantBlockWeight,
+    quant_block_kernels,
     recover_blocks,
 )
 from pagedlm.layers.quant_blocks import dequantize_raw
@@ -23,7 +21,7 @@ from tests.conftest import requires_smollm2, smollm2_path
 
 Q4_1, Q8_0 = GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0
 
-requires_kernel = pytest.mark.skipif(block_kernels() is None,
+requires_kernel = pytest.mark.skipif(quant_block_kernels() is None,
                                      reason="block_gemv_cpu kernel cannot be built here")
 
 
@@ -62,7 +60,7 @@ def test_recovery_exact_on_smollm2_tensors():
             assert ckpt.tensor_infos[name].ggml_type == ggml_type
             weight = torch.from_numpy(ckpt.read_array(name))
             blocks = _assert_exact(weight, ggml_type)
-            found = BlockWeight.recover(weight)
+            found = QuantBlockWeight.recover(weight)
             assert found is not None and found.ggml_type == ggml_type
             torch.testing.assert_close(found.blocks, blocks, rtol=0, atol=0)
 
@@ -88,7 +86,7 @@ def test_random_float32_is_not_representable():
     for weight in (torch.randn(64, 576), torch.rand(37, 32) * 1e-3):
         assert recover_blocks(weight, Q4_1) is None
         assert recover_blocks(weight, Q8_0) is None
-        assert BlockWeight.recover(weight) is None
+        assert QuantBlockWeight.recover(weight) is None
     # One changed bit anywhere makes the whole weight not representable.
     weight = _synthetic(Q4_1, np.random.default_rng(1).standard_normal((8, 64)))
     assert recover_blocks(weight, Q4_1) is not None
@@ -103,7 +101,7 @@ def test_random_float32_is_not_representable():
 
 
 def _gemv(ggml_type):
-    ops = block_kernels()
+    ops = quant_block_kernels()
     return ops.q4_1_gemv if ggml_type == Q4_1 else ops.q8_0_gemv
 
 
@@ -136,9 +134,9 @@ def test_kernel_matches_float64_reference(ggml_type, k):
 def test_kernel_checks_its_inputs():
     blocks = recover_blocks(_synthetic(Q4_1, np.ones((4, 64))), Q4_1)
     with pytest.raises(RuntimeError, match="features"):
-        block_kernels().q4_1_gemv(torch.randn(1, 32), blocks, None)
+        quant_block_kernels().q4_1_gemv(torch.randn(1, 32), blocks, None)
     with pytest.raises(RuntimeError, match="Q8_0|uint8"):
-        block_kernels().q8_0_gemv(torch.randn(1, 64), blocks, None)
+        quant_block_kernels().q8_0_gemv(torch.randn(1, 64), blocks, None)
 
 
 @requires_kernel
@@ -150,9 +148,9 @@ def test_kernel_threads_give_identical_results():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = block_kernels().q4_1_gemv(x, blocks, None)
+        one = quant_block_kernels().q4_1_gemv(x, blocks, None)
         torch.set_num_threads(2)
-        two = block_kernels().q4_1_gemv(x, blocks, None)
+        two = quant_block_kernels().q4_1_gemv(x, blocks, None)
     finally:
         torch.set_num_threads(before)
     torch.testing.assert_close(one, two, rtol=0, atol=0)  # a row's sum never splits
@@ -168,7 +166,7 @@ def test_matmul_dispatches_by_rows():
         calls.append(x.shape)
         return torch.nn.functional.linear(x, weight, bias)
 
-    matmul = BlockWeightMatmul(BlockWeight.recover(weight), fallback, max_rows=6)
+    matmul = QuantBlockMatmul(QuantBlockWeight.recover(weight), fallback, max_rows=6)
     bias = torch.randn(37)
     small = torch.randn(2, 3, 96)  # 6 rows in all
     y = matmul(small, bias)
@@ -181,28 +179,38 @@ def test_matmul_dispatches_by_rows():
 
 
 @requires_kernel
-@pytest.mark.parametrize("fp16", [False, True])
-def test_attach_wraps_the_existing_path(fp16):
-    from pagedlm.layers.fp16_weights import fp16_weights_supported, pack_weights_fp16
-    from pagedlm.layers.linear import ReplicatedLinear
+@pytest.mark.parametrize("fmt", ["F.linear", "panels", "float16"])
+def test_weight_format_wraps_the_layers_other_format(fmt, monkeypatch):
+    from pagedlm.layers import weight_format
+    from pagedlm.layers.fp16_weights import Fp16WeightMatmul, fp16_weights_supported
+    from pagedlm.layers.linear import DenseWeightKernel, ReplicatedLinear
+    from pagedlm.layers.panel_weights import PanelWeightMatmul
 
-    if fp16 and not fp16_weights_supported():
+    if fmt == "float16" and not fp16_weights_supported():
         pytest.skip("no fbgemm")
+    if fmt == "F.linear":  # as without the panel kernel
+        monkeypatch.setattr(weight_format, "panel_kernels", lambda: None)
     model = torch.nn.Sequential(ReplicatedLinear(64, 37, bias=True), ReplicatedLinear(64, 5, bias=False))
     weight = _synthetic(Q4_1, np.random.default_rng(5).standard_normal((37, 64)))
     model[0].weight.data.copy_(weight)
     model[0].bias.data.normal_()
     model[1].weight.data.normal_()  # not representable: keeps its path
-    found = recover_block_weights(model)
-    assert [m for m, _ in found] == [model[0]]
-    if fp16:
-        pack_weights_fp16(model)
-    previous = model[0].matmul
-    assert attach_block_weights(found) == 1
-    wrapper = model[0].matmul
-    assert wrapper.fallback == previous
-    assert not isinstance(model[1].__dict__.get("matmul"), BlockWeightMatmul)
-    assert wrapper.max_rows == (MAX_ROWS_OVER_PACKED if fp16 else MAX_ROWS_OVER_FP32)
+    lines = weight_format.apply_weight_format(model, "float16" if fmt == "float16" else "auto")
+    assert lines[-1] == "quant-block kernel for small batches on 1 layers (GGUF Q4_1/Q8_0 weights)"
+    wrapper = model[0].weight_kernel
+    assert isinstance(wrapper, QuantBlockMatmul)
+    assert not isinstance(model[1].weight_kernel, QuantBlockMatmul)
+    expected_fallback = {"F.linear": DenseWeightKernel, "panels": PanelWeightMatmul,
+                         "float16": Fp16WeightMatmul}[fmt]
+    assert type(wrapper.fallback) is expected_fallback
+    if fmt == "F.linear":
+        assert model[1].weight_kernel is None
+    else:
+        assert type(model[1].weight_kernel) is expected_fallback
+    assert wrapper.max_rows == (MAX_ROWS_OVER_FP32 if fmt == "F.linear" else MAX_ROWS_OVER_PACKED)
+    # The float32 copy is dropped where another format holds the weight, kept where F.linear
+    # still reads it.
+    assert (model[0].weight.numel() == 0) == (fmt != "F.linear")
     x = torch.randn(3, 64)  # the block path: the exact weights, not their float16 rounding
     torch.testing.assert_close(model[0](x), torch.nn.functional.linear(x, weight, model[0].bias))
 
@@ -220,7 +228,7 @@ def llm():
 
 
 def _block_layers(model):
-    return [m for m in model.modules() if isinstance(m.__dict__.get("matmul"), BlockWeightMatmul)]
+    return [m for m in model.modules() if isinstance(getattr(m, "weight_kernel", None), QuantBlockMatmul)]
 
 
 @requires_smollm2
@@ -232,9 +240,9 @@ def test_greedy_same_tokens_with_and_without_kernel(llm):
     model = llm.llm_engine.model_executor.driver_worker.model
     layers = _block_layers(model)
     assert len(layers) == 4 * 30 + 1  # qkv, o, gate_up, down per layer + the (tied) LM head
-    assert {m.matmul.ggml_type for m in layers} == {Q4_1, Q8_0}
+    assert {m.weight_kernel.ggml_type for m in layers} == {Q4_1, Q8_0}
     # float32 weights, packed in panels (layers/panel_weights.py) for larger inputs
-    assert {m.matmul.max_rows for m in layers} == {MAX_ROWS_OVER_PACKED}
+    assert {m.weight_kernel.max_rows for m in layers} == {MAX_ROWS_OVER_PACKED}
     prompts = [llm.apply_chat_template([{"role": "user", "content": q}]) for q in
                ("What is the capital of France?", "Write a haiku about the sea.",
                 "List three primary colours.")]
@@ -244,12 +252,12 @@ def test_greedy_same_tokens_with_and_without_kernel(llm):
         return [llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
 
     with_kernel = greedy()
-    wrappers = [(m, m.matmul) for m in layers]
+    wrappers = [(m, m.weight_kernel) for m in layers]
     try:
         for m, wrapper in wrappers:
-            m.matmul = wrapper.fallback
+            m.weight_kernel = wrapper.fallback
         without = greedy()
     finally:
         for m, wrapper in wrappers:
-            m.matmul = wrapper
+            m.weight_kernel = wrapper
     assert with_kernel == without
