@@ -16,6 +16,7 @@ import argparse
 from typing import Any
 
 from pagedlm.benchmarks.datasets import SampleRequest
+from pagedlm.entrypoints.cli_args import add_engine_args
 
 DATASETS = ("sharegpt", "random", "prefix")
 
@@ -135,8 +136,6 @@ def _cmd(module: str) -> Any:
 
 def add_bench_parser(subparsers: Any) -> None:
     """Add `bench` and its subcommands to the `pagedlm` command's subparsers."""
-    from pagedlm.entrypoints.cli import add_engine_args
-
     bench = subparsers.add_parser("bench", help="benchmarks: throughput, serving, latency, "
                                                 "kv-waste, structured, spec-decode, lora, plot")
     sub = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")

@@ -18,6 +18,7 @@ import numpy as np
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.metrics import summarize
+from pagedlm.entrypoints.cli_args import engine_kwargs
 
 PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -85,7 +86,6 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from pagedlm import LLM
-    from pagedlm.entrypoints.cli import engine_kwargs
 
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:

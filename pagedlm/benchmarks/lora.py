@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.datasets import load_sharegpt_records, sample_sharegpt
+from pagedlm.entrypoints.cli_args import engine_kwargs
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -67,7 +68,6 @@ def write_random_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
 def main(args: argparse.Namespace) -> int:
     from pagedlm import LLM, LoRARequest
     from pagedlm.benchmarks.throughput import run_pagedlm
-    from pagedlm.entrypoints.cli import engine_kwargs
     from pagedlm.lora.adapter import load_adapter
 
     if args.num_prompts < 1 or args.num_adapters < 1 or args.pairs < 1:

@@ -37,6 +37,7 @@ from pagedlm.benchmarks.datasets import (
     load_sharegpt_records,
     sample_sharegpt,
 )
+from pagedlm.entrypoints.cli_args import engine_kwargs
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
 REPEAT_MIN_SHARE = 0.5  # of the reply's word 6-grams found in the prompt
@@ -147,7 +148,6 @@ def _spec_delta(before, after) -> dict[str, float]:
 def main(args: argparse.Namespace) -> int:
     from pagedlm import LLM
     from pagedlm.benchmarks.throughput import run_pagedlm
-    from pagedlm.entrypoints.cli import engine_kwargs
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")

@@ -20,6 +20,7 @@ import time
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
+from pagedlm.entrypoints.cli_args import engine_kwargs
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.structured import StructuredOutputManager, StructuredOutputsParams
 from pagedlm.worker.model_runner import ModelRunner
@@ -119,7 +120,6 @@ def main(args: argparse.Namespace) -> int:
 
     from pagedlm.benchmarks.cli import build_requests, dataset_info
     from pagedlm.config import EngineArgs
-    from pagedlm.entrypoints.cli import engine_kwargs
 
     if args.pairs < 1:
         raise ValueError(f"--pairs must be >= 1, got {args.pairs}")

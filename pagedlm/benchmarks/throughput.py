@@ -25,6 +25,7 @@ from typing import Any
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.datasets import SampleRequest
+from pagedlm.entrypoints.cli_args import engine_kwargs
 
 
 def throughput_figures(elapsed_s: float, num_requests: int, prompt_tokens: int,
@@ -325,7 +326,6 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     from pagedlm.benchmarks.cli import dataset_info
-    from pagedlm.entrypoints.cli import engine_kwargs
 
     kwargs = engine_kwargs(args)
     model = kwargs["model"]

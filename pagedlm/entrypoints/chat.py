@@ -5,15 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedlm import LLM
 from pagedlm.engine.output_processor import RequestOutputKind
+from pagedlm.entrypoints.cli_args import describe_sampling, engine_kwargs, sampling_params
 
 HELP = "Type a message and press Enter. /clear forgets the conversation, /exit (or Ctrl-D) quits."
 
 
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
-    from pagedlm import LLM
-    from pagedlm.entrypoints.cli import describe_sampling, engine_kwargs, sampling_params
-
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
     llm = LLM(**engine_kwargs(args))
