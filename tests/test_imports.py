@@ -276,3 +276,143 @@ def test_torch_free_modules_do_not_load_torch_transitively(start: str) -> None:
     assert not torch_mods, f"`import {start}` loads torch via:\n    " + _chain(
         closure, torch_mods[0]
     )
+
+
+# ----- the whole graph: one direction, no cycles ---------------------------------------
+#
+# Every import between pagedlm modules counts here, function-local ones included: an import
+# deferred into a function still ties the two modules together, and deferring it to dodge
+# a cycle only hides the cycle.
+
+# The layers of the package, from the bottom (STYLE.md's picture): a module imports only
+# from its own layer or those below.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    # pure Python policy, data and validation (torch-free where TORCH_FREE says so)
+    ("pagedlm.core", "pagedlm.config", "pagedlm.sampling_params", "pagedlm.structured",
+     "pagedlm.outputs"),
+    ("pagedlm.csrc",),  # the C++ kernels and their build
+    ("pagedlm.attention",),
+    ("pagedlm.layers",),
+    ("pagedlm.models",),
+    ("pagedlm.loader", "pagedlm.lora", "pagedlm.sample"),
+    ("pagedlm.worker",),
+    ("pagedlm.executor",),
+    ("pagedlm.engine",),
+    # what users run: the offline LLM, the server, the CLI and its benchmarks, and the root
+    # package that re-exports the public API
+    ("pagedlm.entrypoints", "pagedlm.benchmarks", "pagedlm"),
+)
+
+# Function-local imports of pagedlm modules are for optional dependencies only: the
+# imported module needs a package the base install may lack. The one other kind: the two
+# command-line dispatchers load a subcommand's implementation when it runs, so that
+# building the parser (`pagedlm --help`) stays light.
+OPTIONAL_LIBS = {"triton", "ray", "llama_cpp", "matplotlib", "peft", "llguidance"}
+CLI_DISPATCHERS = {"pagedlm.entrypoints.cli", "pagedlm.benchmarks.cli"}
+
+
+def _known(target: str) -> str:
+    """The module a dotted import target lands in (`pagedlm.x.name` -> `pagedlm.x`)."""
+    while target not in MODULES and "." in target:
+        target = target.rsplit(".", 1)[0]
+    return target
+
+
+def _layer(module: str) -> int:
+    best, rank = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for p in prefixes:
+            # The longest matching prefix decides (the root "pagedlm" matches everything).
+            if within(module, p) and len(p) > best:
+                best, rank = len(p), i
+    return rank
+
+
+def _internal_edges() -> list[Import]:
+    return [i for i in IMPORTS
+            if within(i.target, "pagedlm") and _known(i.target) != i.module]
+
+
+def test_every_module_has_a_layer() -> None:
+    unplaced = sorted({m for m in MODULES if m != "pagedlm" and _layer(m) == len(LAYERS) - 1
+                       and not within_any(m, LAYERS[-1][:2])})
+    assert not unplaced, f"modules outside every layer of LAYERS: {unplaced}"
+
+
+def test_imports_point_down() -> None:
+    bad = [i for i in _internal_edges() if _layer(_known(i.target)) > _layer(i.module)]
+    assert not bad, report(bad, "a module imports from a higher layer")
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for root in sorted(edges):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(edges.get(root, ()))))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(edges.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    edges: dict[str, set[str]] = {}
+    for i in _internal_edges():
+        edges.setdefault(i.module, set()).add(_known(i.target))
+    cycles = _cycles(edges)
+    lines = []
+    for component in cycles:
+        members = set(component)
+        lines += [f"{i.where()}: {i.module} -> {_known(i.target)}" for i in _internal_edges()
+                  if i.module in members and _known(i.target) in members]
+    assert not cycles, "import cycles:\n  " + "\n  ".join(lines)
+
+
+def _imports_optional_lib(module: str) -> bool:
+    """Whether importing `module` imports an optional dependency, directly or through the
+    modules it imports at the top."""
+    return any(m.split(".")[0] in OPTIONAL_LIBS for m in _import_closure(module))
+
+
+def test_function_local_imports_keep_optional_dependencies_optional() -> None:
+    bad = [i for i in _internal_edges()
+           if not i.module_level and i.module not in CLI_DISPATCHERS
+           and not _imports_optional_lib(_known(i.target))]
+    assert not bad, report(bad, "function-local imports of pagedlm modules that need no optional "
+                                "dependency (import them at the top of the module)")

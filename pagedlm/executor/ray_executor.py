@@ -24,6 +24,7 @@ from pagedlm.config import EngineArgs
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.executor.base import RankedExecutor
 from pagedlm.executor.multiproc import WorkerError
+from pagedlm.executor.worker_proc import init_worker
 
 logger = logging.getLogger(__name__)
 
@@ -57,8 +58,6 @@ class RayWorker:
 
     def init(self, args: EngineArgs, rank: int, world_size: int, master_addr: str,
              port: int, env: dict[str, str]) -> None:
-        from pagedlm.executor.worker_proc import init_worker
-
         os.environ.update(env)
         self.rank = rank
         # Ray gives each actor its own GPU (CUDA_VISIBLE_DEVICES): device 0 is it.

@@ -24,8 +24,14 @@ import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection
 
+import torch
+import torch.distributed as dist
+
 from pagedlm.executor.multiproc import ENV_ADDRESS, ENV_TOKEN
+from pagedlm.layers.parallel_state import ShmAllReduce, set_shm_all_reduce, set_tp_group
+from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.structured import RemoteBitmask
+from pagedlm.worker.worker import Worker, resolve_device
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
@@ -53,13 +59,6 @@ def init_worker(args, rank: int, world_size: int, master_addr: str, port: int,
     shard, its KV cache geometry). Shared by worker processes and Ray actors. With
     `shm_path` (ranks on one machine, CPU), float32 all-reduces go through that shared
     segment instead of gloo."""
-    import torch
-    import torch.distributed as dist
-
-    from pagedlm.layers.parallel_state import ShmAllReduce, set_shm_all_reduce, set_tp_group
-    from pagedlm.loader.model_loader import resolve_model_source
-    from pagedlm.worker.worker import Worker, resolve_device
-
     if cores is not None:
         os.sched_setaffinity(0, cores)
     device = resolve_device(args.device)
@@ -117,8 +116,6 @@ def serve(conn: Connection) -> None:
 
 
 def shutdown_group() -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -10,7 +10,7 @@ ALiBi with BLOOM's slopes, added to the scaled scores (q . k / sqrt(head_dim) + 
 and no rotary at all. Their remote code does not choose at run time (each size ships its
 own modeling file); what tells the configs apart is that the ALiBi code sizes its bias by
 `model_max_length` and has no `max_position_embeddings`, which the 7B rotary code reads
-(`uses_alibi`). vLLM keys on hidden_size == 4096 instead, which says the same for the
+(`remote_configs.uses_alibi`). vLLM keys on hidden_size == 4096 instead, which says the same for the
 released checkpoints but not for resized ones. The config mapping (`remote_configs`)
 records the choice as `position_embedding` ("rope" or "alibi") on the native config.
 
@@ -31,11 +31,6 @@ from pagedlm.layers.parallel_state import get_tp_group
 from pagedlm.models.llama import LlamaForCausalLM
 
 _BAICHUAN2_VOCAB_SIZE = 125696
-
-
-def uses_alibi(raw_config: dict) -> bool:
-    """Whether a Baichuan config.json is a 13B (ALiBi) one: see the module docstring."""
-    return "max_position_embeddings" not in raw_config
 
 
 class _NoRotary(nn.Module):

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from transformers import LlamaConfig
+
 # LlamaConfig has defaults (e.g. eos_token_id=2) that would be wrong for other vocabularies:
 # always pass the special ids explicitly, None where config.json has none.
 _SPECIAL_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -51,12 +53,15 @@ def _aquila(raw: dict) -> dict:
     return _llama_like(raw)
 
 
+def uses_alibi(raw_config: dict) -> bool:
+    """Whether a Baichuan config.json is a 13B (ALiBi) one: see models/baichuan.py."""
+    return "max_position_embeddings" not in raw_config
+
+
 def _baichuan(raw: dict) -> dict:
     """Baichuan: Llama with a fused W_pack. The 13B models use ALiBi instead of rotary
-    (`pagedlm.models.baichuan.uses_alibi`: no max_position_embeddings) and size their
-    context by `model_max_length`; the choice is recorded as `position_embedding`."""
-    from pagedlm.models.baichuan import uses_alibi
-
+    (`uses_alibi`: no max_position_embeddings) and size their context by
+    `model_max_length`; the choice is recorded as `position_embedding`."""
     if uses_alibi(raw):
         return _llama_like(raw, max_position_embeddings=raw.get("model_max_length", 4096),
                            position_embedding="alibi")
@@ -105,7 +110,6 @@ _REMOTE_CONFIGS: dict[str, Callable[[dict], dict]] = {
 def remote_config_from_dict(raw: dict):
     """A LlamaConfig for a remote-code config.json, or None when no architecture it names
     has a mapping here."""
-    from transformers import LlamaConfig
 
     for arch in raw.get("architectures") or ():
         if arch in _REMOTE_CONFIGS:

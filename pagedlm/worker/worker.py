@@ -20,6 +20,7 @@ import torch
 from pagedlm.attention.backends import get_attention_backend, resolve_backend_name
 from pagedlm.config import EngineArgs, GiB
 from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.csrc import prepare_cpu_kernels
 from pagedlm.layers.parallel_state import all_gather_last_dim
 from pagedlm.layers.weight_format import apply_weight_format
 from pagedlm.loader.model_loader import ModelSource, build_model
@@ -98,8 +99,6 @@ class Worker:
             # One GPU per rank: the rank's own on one machine, the one Ray gave it on many.
             self.device = torch.device("cuda", rank if device_index is None else device_index)
         if self.device.type == "cpu":
-            from pagedlm.csrc import prepare_cpu_kernels
-
             prepare_cpu_kernels()  # all at once, announced, before the engine is ready
         self.dtype = resolve_dtype(args.dtype, source.hf_config, self.device)
         # The KV cache may be stored narrower than the model computes (llama.cpp's default

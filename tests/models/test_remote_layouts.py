@@ -233,8 +233,7 @@ def test_baichuan_13b_alibi_equals_dense_reference(baichuan_13b):
 
 
 def test_baichuan_uses_alibi_rule():
-    from pagedlm.models.baichuan import uses_alibi
-    from pagedlm.models.remote_configs import remote_config_from_dict
+    from pagedlm.models.remote_configs import remote_config_from_dict, uses_alibi
 
     assert uses_alibi(BAICHUAN_13B) and not uses_alibi(_baichuan({})[1])
     config = remote_config_from_dict(BAICHUAN_13B)
