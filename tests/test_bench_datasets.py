@@ -7,7 +7,7 @@ import argparse
 import numpy as np
 import pytest
 
-from pagedlm.benchmarks.cli import build_requests
+from pagedlm.benchmarks.dataset_args import build_requests
 from pagedlm.benchmarks.datasets import (
     SampleRequest,
     sample_lengths,

@@ -121,7 +121,7 @@ def child_decode(model_dir: str, eager: bool, num_tokens: int) -> dict[str, floa
 def prepare_requests(num_prompts: int, path: str | Path) -> int:
     """Sample ShareGPT requests, counted with SmolLM2's tokenizer, and write them as token
     ids: the same prompts for every engine, and no tokenizer or dataset on the GPU side."""
-    from pagedlm.benchmarks.cli import build_requests
+    from pagedlm.benchmarks.dataset_args import build_requests
     from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 
     gguf = smollm2_tokenizer()

@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
+from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
 RESERVE_MAX = "reserve_max_model_len"
@@ -204,7 +205,6 @@ def format_table(sim: dict[str, Any], measured: dict[str, dict[str, Any]] | None
 
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench kv-waste`; returns the exit status."""
-    from pagedlm.benchmarks.cli import build_requests, dataset_info
     from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 
     if args.block_size is not None:

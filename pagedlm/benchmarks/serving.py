@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedlm.benchmarks.common import read_json, result_header, write_json
+from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.benchmarks.datasets import SampleRequest
 from pagedlm.benchmarks.metrics import RequestRecord, compute_serving_metrics
 
@@ -141,8 +142,6 @@ def _tokenizer(path: str | None) -> Any:
 
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench serving`; returns the exit status."""
-    from pagedlm.benchmarks.cli import build_requests, dataset_info
-
     server = read_json(args.server_info) if args.server_info else None
     tokenizer = _tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer, len(tokenizer))

@@ -18,6 +18,7 @@ import statistics
 import time
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
+from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.entrypoints.cli_args import engine_kwargs
@@ -118,7 +119,6 @@ def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench structured`; returns the exit status."""
     import torch
 
-    from pagedlm.benchmarks.cli import build_requests, dataset_info
     from pagedlm.config import EngineArgs
 
     if args.pairs < 1:

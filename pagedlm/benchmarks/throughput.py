@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagedlm.benchmarks.common import model_label, result_header, write_json
+from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.benchmarks.datasets import SampleRequest
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
@@ -211,8 +212,6 @@ class Workload:
 
     def get(self, vocab_size: int | None, tokenizer: Any | None = None) -> list[SampleRequest]:
         if self.requests is None:
-            from pagedlm.benchmarks.cli import build_requests
-
             if tokenizer is not None:
                 self._tokenizer = tokenizer
             elif self.args.dataset == "sharegpt":
@@ -324,8 +323,6 @@ def _print_summary(name: str, r: dict[str, Any]) -> None:
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench throughput`; returns the exit status."""
     import torch
-
-    from pagedlm.benchmarks.cli import dataset_info
 
     kwargs = engine_kwargs(args)
     model = kwargs["model"]
