@@ -1,36 +1,20 @@
-"""What the completion and chat endpoints share: model check, tokenization off the event
-loop, request validation into SamplingParams, starting engine requests, SSE, disconnects."""
+"""The state the OpenAI endpoints share (the Serving object): the served model names and
+LoRA adapters, the server's own tokenizer and the thread it runs on (off the event loop),
+chat template rendering, the checks against the vocabulary and the context length, and
+starting a request's engine requests."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
-import dataclasses
-import json
-import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
-
-from pagedlm.engine.async_engine import (
-    AsyncLLMEngine,
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-    RequestStream,
-)
+from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
 from pagedlm.entrypoints.openai import DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.chat_messages import conversation
-from pagedlm.entrypoints.openai.errors import (
-    APIError,
-    bad_request,
-    error_body,
-    failed_request_error,
-    queue_full_error,
-)
+from pagedlm.entrypoints.openai.errors import APIError, bad_request, queue_full_error
 from pagedlm.entrypoints.openai.protocol.chat import ChatMessage
 from pagedlm.entrypoints.openai.protocol.common import SamplingFields
 from pagedlm.entrypoints.openai.tool_parsers.formats import (
@@ -38,34 +22,8 @@ from pagedlm.entrypoints.openai.tool_parsers.formats import (
     template_takes_tools,
 )
 from pagedlm.sampling_params import SamplingParams
-from pagedlm.structured import StructuredOutputsParams
 
-logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-_SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-# Logprobs can be -inf (a masked token); JSON has no infinity, so report a floor.
-MIN_LOGPROB = -9999.0
-# Request fields copied to SamplingParams under the same name when not None.
-_PASSTHROUGH = ("temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "stop",
-                "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos",
-                "stop_token_ids", "include_stop_str_in_output", "skip_special_tokens",
-                "spaces_between_special_tokens", "length_penalty")
-
-
-class ClientDisconnected(Exception):
-    """The client went away before the response was ready."""
-
-
-def clamp_logprob(value: float) -> float:
-    return max(value, MIN_LOGPROB)
-
-
-def sse_event(payload: str) -> str:
-    return f"data: {payload}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
 
 
 class Serving:
@@ -118,18 +76,19 @@ class Serving:
                               "send prompts as token ids", param=param)
         return self.tokenizer
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+    async def run_off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the tokenizer's thread, awaited without blocking the event loop."""
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     async def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         tokenizer = self._require_tokenizer()
-        encoding = await self._run(
+        encoding = await self.run_off_loop(
             lambda: tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
         return list(encoding)
 
     async def detokenize(self, token_ids: Sequence[int], param: str = "prompt") -> str:
         tokenizer = self._require_tokenizer(param)
-        return await self._run(lambda: tokenizer.decode(list(token_ids)))
+        return await self.run_off_loop(lambda: tokenizer.decode(list(token_ids)))
 
     async def render_chat(self, messages: Sequence[ChatMessage],
                           add_generation_prompt: bool = True,
@@ -155,7 +114,7 @@ class Serving:
             return text, list(tokenizer(text, add_special_tokens=False).input_ids)
 
         try:
-            return await self._run(render)
+            return await self.run_off_loop(render)
         except Exception as e:  # jinja's TemplateError (e.g. "roles must alternate") and kin
             raise bad_request(f"the chat template rejected the messages: {e}",
                               param="messages") from e
@@ -229,177 +188,3 @@ class Serving:
             stream.close()
             raise
         return stream
-
-
-def check_common_fields(req: SamplingFields) -> None:
-    """400s for fields the schema accepts but this server does not implement."""
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias")
-    if req.stream_options is not None and not req.stream:
-        raise bad_request("stream_options is only allowed when stream is true",
-                          param="stream_options")
-    for name, neutral in (("best_of", req.n or 1), ("use_beam_search", False)):
-        value = getattr(req, name)
-        if value is not None and value != neutral and name not in _SAMPLING_FIELDS:
-            raise bad_request(f"{name} is not supported by this engine", param=name)
-
-
-def build_sampling_params(req: SamplingFields, *, max_tokens: int | None,
-                          logprobs: int | None, prompt_logprobs: int | None = None,
-                          field_names: dict[str, str] | None = None) -> SamplingParams:
-    """The request's SamplingParams; a ValueError becomes a 400 naming the field.
-
-    `field_names` maps a SamplingParams field to the request's name for it (chat's
-    max_completion_tokens) so that `param` is what the client sent."""
-    kwargs: dict[str, Any] = {name: getattr(req, name) for name in _PASSTHROUGH
-                              if getattr(req, name) is not None}
-    kwargs.update(n=req.n or 1, max_tokens=max_tokens, logprobs=logprobs,
-                  prompt_logprobs=prompt_logprobs)
-    for name in ("best_of", "use_beam_search"):
-        if name in _SAMPLING_FIELDS and getattr(req, name) is not None:
-            kwargs[name] = getattr(req, name)
-    structured, structured_param = structured_outputs_of(req)
-    kwargs["structured_outputs"] = structured
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as e:
-        message = str(e)
-        if structured is not None and "structured_outputs" in message:
-            raise bad_request(message, param=structured_param) from e
-        field = message.split(" ", 1)[0]
-        param = field if field in _SAMPLING_FIELDS else None
-        if param is not None and field_names:
-            param = field_names.get(param, param)
-        raise bad_request(message, param=param) from e
-
-
-def structured_outputs_of(req: SamplingFields) -> tuple[StructuredOutputsParams | None, str]:
-    """The request's output constraint and the field it came from: OpenAI's
-    response_format, vLLM's structured_outputs or guided_* (at most one of them)."""
-    sources: list[tuple[str, dict]] = []
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        sources.append(("response_format", {"json_object": True}))
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
-            raise bad_request("response_format of type json_schema needs json_schema.schema",
-                              param="response_format")
-        sources.append(("response_format", {"json": fmt.json_schema.json_schema}))
-    if req.structured_outputs is not None:
-        fields = req.structured_outputs.model_dump(exclude_none=True)
-        sources.append(("structured_outputs",
-                        {("json" if k == "json_" else k): v for k, v in fields.items()}))
-    for name, key in (("guided_json", "json"), ("guided_regex", "regex"),
-                      ("guided_choice", "choice"), ("guided_grammar", "grammar")):
-        if getattr(req, name) is not None:
-            sources.append((name, {key: getattr(req, name)}))
-    if not sources:
-        return None, ""
-    if len(sources) > 1:
-        raise bad_request(f"send one output constraint, not {len(sources)}: "
-                          f"{', '.join(name for name, _ in sources)}", param=sources[1][0])
-    param, fields = sources[0]
-    try:
-        return StructuredOutputsParams(**fields), param
-    except ValueError as e:
-        raise bad_request(str(e), param=param) from e
-
-
-async def compile_structured_outputs(serving: Serving, req: SamplingFields,
-                                     params: SamplingParams) -> None:
-    """Compile (and so validate) the grammar before anything is queued, off the event
-    loop: an invalid schema, regex or grammar, or an unsupported schema feature, is a 400
-    naming the field and the problem."""
-    structured = params.structured_outputs
-    if structured is None:
-        return
-    try:
-        await serving._run(structured.grammar_text)
-    except ValueError as e:
-        raise bad_request(str(e), param=structured_outputs_of(req)[1]) from e
-
-
-# ----- responses and client disconnects ------------------------------------------------------
-
-
-async def wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def run_until_disconnect(work: Awaitable[T], receive: Receive) -> T:
-    """Await `work`, or raise ClientDisconnected as soon as the client goes away (the
-    work is cancelled; the caller's `finally` aborts its engine requests)."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (task, watcher):
-            t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    if task.cancelled():
-        raise ClientDisconnected()
-    return task.result()
-
-
-def stream_error_event(exc: BaseException) -> str:
-    """An error that happens after the 200 and the first chunks went out, as an SSE event."""
-    if isinstance(exc, RequestFailedError):
-        exc = failed_request_error(exc)
-    if isinstance(exc, APIError):
-        body = error_body(exc.status_code, exc.message, exc.param, exc.code)
-    elif isinstance(exc, EngineDeadError):
-        body = error_body(503, str(exc), code="engine_dead")
-    else:
-        logger.exception("error while streaming", exc_info=exc)
-        body = error_body(500, f"internal server error ({type(exc).__name__})",
-                          code="internal_error")
-    return sse_event(json.dumps(body))
-
-
-class SSEResponse(Response):
-    """A text/event-stream of the events an async iterator yields.
-
-    It watches for the client's disconnect while streaming (rather than trusting the ASGI
-    server or Starlette's version to cancel us) and, on any exit, calls `on_close`, which
-    aborts the engine requests: a client that hangs up frees its KV blocks at the next
-    engine step instead of decoding to max_tokens for nobody.
-    """
-
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
-        super().__init__(headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-                         media_type=self.media_type)
-        # Response sets Content-Length: 0 for its empty body; a stream has none.
-        self.raw_headers = [(k, v) for k, v in self.raw_headers if k != b"content-length"]
-        self.events = events
-        self.on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code,
-                    "headers": self.raw_headers})
-        streamer = asyncio.ensure_future(self._stream(send))
-        watcher = asyncio.ensure_future(wait_for_disconnect(receive))
-        try:
-            await asyncio.wait({streamer, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (streamer, watcher):
-                t.cancel()
-            results = await asyncio.gather(streamer, watcher, return_exceptions=True)
-            self.on_close()
-            if isinstance(results[0], Exception):
-                logger.error("SSE stream failed", exc_info=results[0])
-            aclose = getattr(self.events, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-    async def _stream(self, send: Send) -> None:
-        try:
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(),
-                            "more_body": True})
-        except OSError:  # the connection broke under us; the watcher sees the disconnect
-            return
-        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -10,11 +10,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from pagedlm.engine.async_engine import RequestStream
 from pagedlm.entrypoints.openai.errors import bad_request
+from pagedlm.entrypoints.openai.generation import (
+    GatheredChoice,
+    clamp_logprob,
+    respond,
+    usage_info,
+)
 from pagedlm.entrypoints.openai.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
@@ -33,20 +38,14 @@ from pagedlm.entrypoints.openai.protocol.chat import (
     TopLogprob,
 )
 from pagedlm.entrypoints.openai.protocol.common import UsageInfo
-from pagedlm.entrypoints.openai.serving import (
-    SSE_DONE,
-    ClientDisconnected,
-    Serving,
-    SSEResponse,
+from pagedlm.entrypoints.openai.request_params import (
     build_sampling_params,
     check_common_fields,
-    clamp_logprob,
     compile_structured_outputs,
-    run_until_disconnect,
-    sse_event,
-    stream_error_event,
     structured_outputs_of,
 )
+from pagedlm.entrypoints.openai.serving import Serving
+from pagedlm.entrypoints.openai.sse import sse_event
 from pagedlm.entrypoints.openai.tool_parsers.formats import ToolCallFormat
 from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 from pagedlm.outputs import PositionLogprobs
@@ -70,15 +69,6 @@ def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs
             token=chosen.token, logprob=chosen.logprob, bytes=chosen.bytes,
             top_logprobs=[_top_logprob(lp.decoded_token, lp.logprob) for _, lp in ranked]))
     return ChatLogprobs(content=content)
-
-
-@dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
 
 
 class ChatServing:
@@ -119,16 +109,7 @@ class ChatServing:
                                prompt_param="messages", model=model)
         tool_format = s.tool_format if tools is not None and tools.parse else None
         job = _Job(request_id, model, len(token_ids), params.n, num_logprobs, tool_format)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(job.stream(stream, include_usage), on_close=stream.close)
-        try:
-            response = await run_until_disconnect(job.collect(stream), raw_request.receive)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            stream.close()
-        return JSONResponse(response.model_dump())
+        return await respond(job, stream, req, raw_request)
 
 
     async def _check_tools(self, req: ChatCompletionRequest) -> _Tools | None:
@@ -150,7 +131,7 @@ class ChatServing:
             if "parameters" not in function:
                 continue
             try:
-                await self.serving._run(
+                await self.serving.run_off_loop(
                     StructuredOutputsParams(json=function["parameters"]).grammar_text)
             except ValueError as e:
                 problem = str(e).removeprefix("structured_outputs.json: ")
@@ -191,7 +172,7 @@ class ChatServing:
         grammar = fmt.grammar(tools.forced or [], tools.parallel, special_id)
         structured = StructuredOutputsParams(grammar=grammar)
         try:
-            await s._run(structured.grammar_text)
+            await s.run_off_loop(structured.grammar_text)
             return dataclasses.replace(params, structured_outputs=structured, **overrides)
         except ValueError as e:
             raise bad_request(f"the tools cannot be forced: {e}", param="tools") from e
@@ -229,11 +210,6 @@ class _Job:
     tool_format: ToolCallFormat | None = None  # parse tool calls out of the text
     created: int = field(default_factory=lambda: int(time.time()))
 
-    def _usage(self, num_completion_tokens: int) -> UsageInfo:
-        return UsageInfo(prompt_tokens=self.num_prompt_tokens,
-                         completion_tokens=num_completion_tokens,
-                         total_tokens=self.num_prompt_tokens + num_completion_tokens)
-
     def _chunk(self, choices: list[ChatChunkChoice],
                usage: UsageInfo | None = None) -> str:
         chunk = ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model,
@@ -241,15 +217,10 @@ class _Job:
         return sse_event(chunk.model_dump_json())
 
     async def collect(self, stream: RequestStream) -> ChatCompletionResponse:
-        choices = [_Choice() for _ in range(self.n)]
+        choices = [GatheredChoice() for _ in range(self.n)]
         async for output in stream:
             for c in output.outputs:
-                choice = choices[c.index]
-                choice.text.append(c.text)
-                choice.token_ids.extend(c.token_ids)
-                choice.logprobs.extend(c.logprobs or ())
-                if c.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                choices[c.index].add(c)
         result = []
         for i, choice in enumerate(choices):
             logprobs = None
@@ -272,48 +243,40 @@ class _Job:
             result.append(ChatChoice(
                 index=i, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=choice.stop_reason))
-        num_completion_tokens = sum(len(c.token_ids) for c in choices)
+        usage = usage_info(self.num_prompt_tokens, sum(len(c.token_ids) for c in choices))
         return ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                      choices=result, usage=self._usage(num_completion_tokens))
+                                      choices=result, usage=usage)
 
-    async def stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         finished: set[int] = set()
         num_completion_tokens = 0
         parsers = ([ToolCallParser(self.tool_format) for _ in range(self.n)]
                    if self.tool_format is not None else None)
-        try:
-            # OpenAI opens every choice with the role, before any content.
-            yield self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                           content=""))
-                               for i in range(self.n)])
-            async for output in stream:
-                for c in output.outputs:
-                    if c.index in finished:
-                        continue
-                    num_completion_tokens += len(c.token_ids)
-                    logprobs = None
-                    if self.num_logprobs is not None and c.token_ids:
-                        logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.num_logprobs)
-                    text, calls, finish_reason = c.text, None, c.finish_reason
-                    if parsers is not None:
-                        text, calls, finish_reason = _parse_delta(parsers[c.index], c.text,
-                                                                  c.finish_reason)
-                    if not text and not calls and finish_reason is None and logprobs is None:
-                        continue  # text held back (maybe a stop string or a tool call)
-                    if finish_reason is not None:
-                        finished.add(c.index)
-                    yield self._chunk([ChatChunkChoice(
-                        index=c.index, delta=DeltaMessage(content=text or None,
-                                                          tool_calls=calls),
-                        logprobs=logprobs, finish_reason=finish_reason,
-                        stop_reason=c.stop_reason)])
-            if include_usage:
-                yield self._chunk([], self._usage(num_completion_tokens))
-        except Exception as e:
-            yield stream_error_event(e)
-        finally:
-            stream.close()
-        yield SSE_DONE
+        # OpenAI opens every choice with the role, before any content.
+        yield self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                           for i in range(self.n)])
+        async for output in stream:
+            for c in output.outputs:
+                if c.index in finished:
+                    continue
+                num_completion_tokens += len(c.token_ids)
+                logprobs = None
+                if self.num_logprobs is not None and c.token_ids:
+                    logprobs = chat_logprobs(c.token_ids, c.logprobs or [], self.num_logprobs)
+                text, calls, finish_reason = c.text, None, c.finish_reason
+                if parsers is not None:
+                    text, calls, finish_reason = _parse_delta(parsers[c.index], c.text,
+                                                              c.finish_reason)
+                if not text and not calls and finish_reason is None and logprobs is None:
+                    continue  # text held back (maybe a stop string or a tool call)
+                if finish_reason is not None:
+                    finished.add(c.index)
+                yield self._chunk([ChatChunkChoice(
+                    index=c.index, delta=DeltaMessage(content=text or None, tool_calls=calls),
+                    logprobs=logprobs, finish_reason=finish_reason,
+                    stop_reason=c.stop_reason)])
+        if include_usage:
+            yield self._chunk([], usage_info(self.num_prompt_tokens, num_completion_tokens))
 
 
 def _tool_finish_reason(reason: str | None) -> str | None:

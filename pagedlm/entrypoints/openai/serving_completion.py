@@ -11,11 +11,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse
 from starlette.responses import Response
 
 from pagedlm.engine.async_engine import RequestStream
 from pagedlm.entrypoints.openai.errors import bad_request
+from pagedlm.entrypoints.openai.generation import (
+    GatheredChoice,
+    clamp_logprob,
+    respond,
+    usage_info,
+)
 from pagedlm.entrypoints.openai.protocol.common import UsageInfo
 from pagedlm.entrypoints.openai.protocol.completion import (
     CompletionChoice,
@@ -23,19 +28,13 @@ from pagedlm.entrypoints.openai.protocol.completion import (
     CompletionRequest,
     CompletionResponse,
 )
-from pagedlm.entrypoints.openai.serving import (
-    SSE_DONE,
-    ClientDisconnected,
-    Serving,
-    SSEResponse,
+from pagedlm.entrypoints.openai.request_params import (
     build_sampling_params,
     check_common_fields,
-    clamp_logprob,
     compile_structured_outputs,
-    run_until_disconnect,
-    sse_event,
-    stream_error_event,
 )
+from pagedlm.entrypoints.openai.serving import Serving
+from pagedlm.entrypoints.openai.sse import sse_event
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -69,15 +68,6 @@ def completion_logprobs(token_ids: Sequence[int],
     return out
 
 
-@dataclass
-class _Choice:
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
 class CompletionServing:
     def __init__(self, serving: Serving) -> None:
         self.serving = serving
@@ -108,16 +98,7 @@ class CompletionServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await s.start(request_id, prompts, params, arrival_time, model=model)
         job = _Job(request_id, model, prompts, params.n, echo, req.logprobs, s)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return SSEResponse(job.stream(stream, include_usage), on_close=stream.close)
-        try:
-            response = await run_until_disconnect(job.collect(stream), raw_request.receive)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        finally:
-            stream.close()
-        return JSONResponse(response.model_dump())
+        return await respond(job, stream, req, raw_request)
 
     async def _prompts(self, prompt: str | list) -> list[Prompt]:
         s = self.serving
@@ -151,24 +132,22 @@ class _Job:
         return completion_logprobs(token_ids, positions, self.num_logprobs, 0, first)
 
     def _usage(self, num_completion_tokens: int) -> UsageInfo:
-        num_prompt_tokens = sum(len(ids) for _, ids in self.prompts)
-        return UsageInfo(prompt_tokens=num_prompt_tokens, completion_tokens=num_completion_tokens,
-                         total_tokens=num_prompt_tokens + num_completion_tokens)
+        return usage_info(sum(len(ids) for _, ids in self.prompts), num_completion_tokens)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+        chunk = CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                   choices=choices, usage=usage)
+        return sse_event(chunk.model_dump_json())
 
     async def collect(self, stream: RequestStream) -> CompletionResponse:
-        choices = [_Choice() for _ in range(len(self.prompts) * self.n)]
+        choices = [GatheredChoice() for _ in range(len(self.prompts) * self.n)]
         echo_logprobs: dict[int, CompletionLogprobs] = {}
         async for output in stream:
             p = stream.index_of[output.request_id]
             if self.echo and self.num_logprobs is not None and p not in echo_logprobs:
                 echo_logprobs[p] = self._echo_logprobs(p, output)
             for c in output.outputs:
-                choice = choices[p * self.n + c.index]
-                choice.text.append(c.text)
-                choice.token_ids.extend(c.token_ids)
-                choice.logprobs.extend(c.logprobs or ())
-                if c.finish_reason is not None:
-                    choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+                choices[p * self.n + c.index].add(c)
         result = []
         for i, choice in enumerate(choices):
             p = i // self.n
@@ -187,55 +166,43 @@ class _Job:
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                   choices=result, usage=self._usage(num_completion_tokens))
 
-    async def stream(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
+    async def chunks(self, stream: RequestStream, include_usage: bool) -> AsyncIterator[str]:
         offsets = [0] * (len(self.prompts) * self.n)  # characters sent per choice
         started: set[int] = set()
         finished: set[int] = set()
         num_completion_tokens = 0
-        try:
-            async for output in stream:
-                p = stream.index_of[output.request_id]
-                for c in output.outputs:
-                    index = p * self.n + c.index
-                    if index in finished:
-                        continue
-                    num_completion_tokens += len(c.token_ids)
-                    prefix, prefix_logprobs = "", None
-                    if index not in started:
-                        started.add(index)
-                        if self.echo:
-                            prefix = self.prompts[p][0] or ""
-                            if self.num_logprobs is not None:
-                                prefix_logprobs = self._echo_logprobs(p, output)
-                    text, logprobs = prefix + c.text, None
-                    if self.num_logprobs is not None:
-                        logprobs = completion_logprobs(c.token_ids, c.logprobs or [],
-                                                       self.num_logprobs,
-                                                       offsets[index] + len(prefix))
-                        if prefix_logprobs is not None:
-                            logprobs = _concat(prefix_logprobs, logprobs)
-                    if not text and c.finish_reason is None and (logprobs is None
-                                                                 or not c.token_ids):
-                        continue
-                    offsets[index] += len(text)
-                    if c.finish_reason is not None:
-                        finished.add(index)
-                    chunk = CompletionResponse(
-                        id=self.request_id, created=self.created, model=self.model,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                  finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)])
-                    yield sse_event(chunk.model_dump_json())
-            if include_usage:
-                chunk = CompletionResponse(id=self.request_id, created=self.created,
-                                           model=self.model, choices=[],
-                                           usage=self._usage(num_completion_tokens))
-                yield sse_event(chunk.model_dump_json())
-        except Exception as e:
-            yield stream_error_event(e)
-        finally:
-            stream.close()
-        yield SSE_DONE
+        async for output in stream:
+            p = stream.index_of[output.request_id]
+            for c in output.outputs:
+                index = p * self.n + c.index
+                if index in finished:
+                    continue
+                num_completion_tokens += len(c.token_ids)
+                prefix, prefix_logprobs = "", None
+                if index not in started:
+                    started.add(index)
+                    if self.echo:
+                        prefix = self.prompts[p][0] or ""
+                        if self.num_logprobs is not None:
+                            prefix_logprobs = self._echo_logprobs(p, output)
+                text, logprobs = prefix + c.text, None
+                if self.num_logprobs is not None:
+                    logprobs = completion_logprobs(c.token_ids, c.logprobs or [],
+                                                   self.num_logprobs,
+                                                   offsets[index] + len(prefix))
+                    if prefix_logprobs is not None:
+                        logprobs = _concat(prefix_logprobs, logprobs)
+                if not text and c.finish_reason is None and (logprobs is None
+                                                             or not c.token_ids):
+                    continue
+                offsets[index] += len(text)
+                if c.finish_reason is not None:
+                    finished.add(index)
+                yield self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                    finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason)])
+        if include_usage:
+            yield self._chunk([], self._usage(num_completion_tokens))
 
 
 def _concat(a: CompletionLogprobs, b: CompletionLogprobs) -> CompletionLogprobs:
