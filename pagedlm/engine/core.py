@@ -21,7 +21,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from pagedlm.config import EngineArgs, SchedulerConfig
+from pagedlm.config import EngineArgs
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.lora_slots import LoRASlots
 from pagedlm.core.request import Request, RequestStatus
@@ -36,21 +36,24 @@ from pagedlm.engine.core_io import (
     SeqOutput,
     sequence_ids,
 )
+from pagedlm.engine.core_sizing import (
+    check_max_model_len,
+    max_num_batched_tokens,
+    profile_num_blocks,
+    scheduler_config,
+    served_max_model_len,
+)
 from pagedlm.engine.dashboard import DashboardSnapshot, build_snapshot
 from pagedlm.engine.draft_model import make_proposer
 from pagedlm.engine.lora_registry import LoRARegistry
-from pagedlm.engine.stats import EngineStats, KVUsageSample
+from pagedlm.engine.stats import EngineStats, KVUsageSample, collect_stats, kv_usage_sample
 from pagedlm.executor import make_executor
+from pagedlm.loader.model_loader import load_tokenizer_for
 from pagedlm.structured import StructuredOutputManager
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import model_max_len
 
 logger = logging.getLogger(__name__)
-
-# Prompt tokens per step while requests decode, by default (see Scheduler._prefill_budget;
-# the CPU figure is measured in benchmarks/results/engine_core/).
-DEFAULT_CPU_PREFILL_WITH_DECODES = 128
-DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
 
 
 @dataclass
@@ -72,40 +75,21 @@ class EngineCore:
         self.hf_config = source.hf_config
         self.eos_token_ids = eos_token_ids
         max_len = model_max_len(self.hf_config)
-        if args.max_model_len is not None and args.max_model_len > max_len:
-            raise ValueError(
-                f"max_model_len ({args.max_model_len}) is larger than the model's context "
-                f"({max_len} tokens)"
-            )
+        check_max_model_len(args.max_model_len, max_len)
         self.model_executor = make_executor(args, source)
         spec = self.model_executor.worker_spec()
         self.device, self.dtype = spec.device, spec.dtype
         self.spec = spec
-        max_batched = args.max_num_batched_tokens or (2048 if self.device.type == "cpu" else 8192)
-        # Profiled at the context served: a fabricated prompt longer than max_model_len
-        # would run positions past the rotary tables the model was built with.
-        num_blocks = self.model_executor.determine_num_blocks(
-            max_batched, args.max_model_len or max_len)
-        if num_blocks < 1:
-            raise ValueError(
-                f"the KV cache budget holds no block: one block of {spec.block_size} tokens "
-                f"needs {spec.block_bytes} bytes; raise kv_cache_memory or gpu_memory_utilization"
-            )
+        max_batched = max_num_batched_tokens(args, self.device.type)
+        num_blocks = profile_num_blocks(self.model_executor, spec, max_batched,
+                                        args.max_model_len or max_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, spec.block_size,
                                                args.enable_prefix_caching, spec.sliding_window)
-        self.max_model_len = self._max_model_len(max_len, max_batched, num_blocks)
+        self.max_model_len = served_max_model_len(args.max_model_len, self.kv_cache_manager,
+                                                  max_len, max_batched, num_blocks)
         self.model_executor.initialize_cache(num_blocks, args.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=max_batched,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=args.enable_chunked_prefill,
-                max_prefill_tokens_with_decodes=(
-                    args.max_prefill_tokens_with_decodes
-                    or (DEFAULT_CPU_PREFILL_WITH_DECODES if self.device.type == "cpu"
-                        else DEFAULT_GPU_PREFILL_WITH_DECODES)),
-            ),
+            scheduler_config(args, self.device.type, max_batched, self.max_model_len),
             self.kv_cache_manager,
             LoRASlots(args.max_loras) if args.enable_lora else None,
         )
@@ -117,8 +101,6 @@ class EngineCore:
                                       num_blocks, spec.block_size, self.max_model_len)
 
         def load_tokenizer():  # structured outputs only; the frontend's if it is here
-            from pagedlm.loader.model_loader import load_tokenizer_for
-
             return tokenizer if tokenizer is not None else load_tokenizer_for(source,
                                                                               args.tokenizer)
 
@@ -141,22 +123,6 @@ class EngineCore:
         self._step_seconds = 0.0
         self._snapshot_seconds = 0.0
         self._num_snapshots = 0
-
-    def _max_model_len(self, model_max: int, max_batched: int, num_blocks: int) -> int:
-        """The context served: max_model_len if the cache can hold it, else the model's
-        context as far as the cache holds it."""
-        capacity = self.kv_cache_manager.capacity_tokens
-        if self.kv_cache_manager.can_ever_fit(model_max, max_batched):
-            capacity = max(capacity, model_max)  # a window bounds the blocks held
-        if self.args.max_model_len is None:
-            return min(model_max, capacity)
-        if self.args.max_model_len > capacity:
-            raise ValueError(
-                f"max_model_len ({self.args.max_model_len}) is larger than the KV cache can "
-                f"hold ({capacity} tokens in {num_blocks} blocks); lower max_model_len or give "
-                f"the cache more memory"
-            )
-        return self.args.max_model_len
 
     # ----- requests in and out ---------------------------------------------------------------
 
@@ -311,13 +277,8 @@ class EngineCore:
         self._num_prompt_tokens += sched.num_prompt_tokens
         self._num_generation_tokens += len(updated) + sum(num_extra.values())
         if self.args.record_kv_usage:
-            self.kv_usage.append(KVUsageSample(
-                step=self._num_steps,
-                allocated_slots=self.kv_cache_manager.num_allocated_slots(),
-                tokens_held=self._tokens_held(),
-                tokens_held_unshared=self._tokens_unshared(),
-                num_running=self.scheduler.num_running,
-            ))
+            self.kv_usage.append(kv_usage_sample(self._num_steps, self.kv_cache_manager,
+                                                 self.scheduler))
         return out
 
     def _propose(self) -> None:
@@ -378,46 +339,11 @@ class EngineCore:
 
     # ----- state -----------------------------------------------------------------------------
 
-    def _tokens_held(self) -> int:
-        """Tokens whose K/V the cache holds, a token shared by several sequences once."""
-        return self.kv_cache_manager.num_distinct_tokens(self.scheduler.running)
-
-    def _tokens_unshared(self) -> int:
-        """What the live sequences would hold if nothing were shared."""
-        return sum(r.num_computed_tokens for r in self.scheduler.running)
-
     def get_stats(self) -> EngineStats:
-        kv = self.kv_cache_manager
-        return EngineStats(
-            num_blocks_total=kv.num_blocks,
-            num_blocks_free=kv.num_free_blocks,
-            block_size=kv.block_size,
-            num_tokens_held=self._tokens_held(),
-            num_tokens_held_unshared=self._tokens_unshared(),
-            num_blocks_shared=kv.num_shared_blocks(),
-            num_block_copies=kv.num_copies,
-            prefix_cache_queries=self.scheduler.prefix_cache_queries,
-            prefix_cache_hits=self.scheduler.prefix_cache_hits,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_requests_running=self.scheduler.num_running,
-            num_requests_waiting=self.scheduler.num_waiting,
-            num_prompt_tokens=self._num_prompt_tokens,
-            num_generation_tokens=self._num_generation_tokens,
-            num_steps=self._num_steps,
-            **(self.proposer.stats.engine_stats_fields() if self.proposer else {}),
-            **(self._lora_stats() if self.scheduler.lora_slots is not None else {}),
-        )
-
-    def _lora_stats(self) -> dict:
-        scheduler = self.scheduler
-        return dict(
-            max_loras=scheduler.lora_slots.max_loras,
-            running_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.running
-                                                if r.lora is not None})),
-            waiting_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.waiting
-                                                if r.lora is not None})),
-            num_lora_loads=scheduler.lora_slots.num_loads,
-        )
+        return collect_stats(
+            self.kv_cache_manager, self.scheduler, num_prompt_tokens=self._num_prompt_tokens,
+            num_generation_tokens=self._num_generation_tokens, num_steps=self._num_steps,
+            spec_fields=self.proposer.stats.engine_stats_fields() if self.proposer else {})
 
     def _owner_of(self, seq_id: str) -> tuple[str, str]:
         """A live sequence's user request id and kind: "sample" (one of n), or "beam"."""

@@ -1,6 +1,12 @@
+"""What the engine reports about itself (EngineStats, and per step KVUsageSample when
+recorded), and how each is read off the scheduler and the KV cache manager."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -69,3 +75,60 @@ class KVUsageSample:
     tokens_held: int
     num_running: int
     tokens_held_unshared: int = 0
+
+
+def tokens_held(kv: KVCacheManager, scheduler: Scheduler) -> int:
+    """Tokens whose K/V the cache holds, a token shared by several sequences once."""
+    return kv.num_distinct_tokens(scheduler.running)
+
+
+def tokens_unshared(scheduler: Scheduler) -> int:
+    """What the live sequences would hold if nothing were shared."""
+    return sum(r.num_computed_tokens for r in scheduler.running)
+
+
+def collect_stats(kv: KVCacheManager, scheduler: Scheduler, *, num_prompt_tokens: int,
+                  num_generation_tokens: int, num_steps: int,
+                  spec_fields: dict) -> EngineStats:
+    """This moment's EngineStats; `spec_fields`: speculative decoding's counters, if any
+    (SpecDecodeStats.engine_stats_fields)."""
+    return EngineStats(
+        num_blocks_total=kv.num_blocks,
+        num_blocks_free=kv.num_free_blocks,
+        block_size=kv.block_size,
+        num_tokens_held=tokens_held(kv, scheduler),
+        num_tokens_held_unshared=tokens_unshared(scheduler),
+        num_blocks_shared=kv.num_shared_blocks(),
+        num_block_copies=kv.num_copies,
+        prefix_cache_queries=scheduler.prefix_cache_queries,
+        prefix_cache_hits=scheduler.prefix_cache_hits,
+        num_preemptions=scheduler.num_preemptions,
+        num_requests_running=scheduler.num_running,
+        num_requests_waiting=scheduler.num_waiting,
+        num_prompt_tokens=num_prompt_tokens,
+        num_generation_tokens=num_generation_tokens,
+        num_steps=num_steps,
+        **spec_fields,
+        **(_lora_stats(scheduler) if scheduler.lora_slots is not None else {}),
+    )
+
+
+def _lora_stats(scheduler: Scheduler) -> dict:
+    return dict(
+        max_loras=scheduler.lora_slots.max_loras,
+        running_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.running
+                                            if r.lora is not None})),
+        waiting_lora_adapters=tuple(sorted({r.lora.name for r in scheduler.waiting
+                                            if r.lora is not None})),
+        num_lora_loads=scheduler.lora_slots.num_loads,
+    )
+
+
+def kv_usage_sample(step: int, kv: KVCacheManager, scheduler: Scheduler) -> KVUsageSample:
+    return KVUsageSample(
+        step=step,
+        allocated_slots=kv.num_allocated_slots(),
+        tokens_held=tokens_held(kv, scheduler),
+        tokens_held_unshared=tokens_unshared(scheduler),
+        num_running=scheduler.num_running,
+    )
