@@ -13,23 +13,22 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedlm.benchmarks.datasets import MAX_TOTAL_LEN, SampleRequest
+from pagedlm.loader.default_model import default_model_path
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def smollm2_gguf_path() -> Path:
     """The embedded default model's GGUF (fetched once if it is not here yet)."""
-    from pagedlm.loader.default_model import default_model_path
-
     return Path(default_model_path())
 
 
 def load_hf_tokenizer(gguf_path: str | Path | None = None) -> Any:
     """The HF tokenizer built from the GGUF's vocabulary, set up for left padding."""
-    from transformers import AutoTokenizer
-
     path = Path(gguf_path) if gguf_path is not None else smollm2_gguf_path()
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     # Decoder-only batches must be left-padded so every row's last token is real.
@@ -43,8 +42,6 @@ def load_hf_model(
     gguf_path: str | Path | None = None, dtype: torch.dtype = torch.float32
 ) -> tuple[Any, float]:
     """Load the HF model from the GGUF (dequantized to ``dtype``); returns (model, seconds)."""
-    from transformers import AutoModelForCausalLM
-
     path = Path(gguf_path) if gguf_path is not None else smollm2_gguf_path()
     start = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
@@ -96,8 +93,6 @@ def run_hf_static(
     generation stops early only if every row hits EOS, which ``padded_generated_tokens`` versus
     ``padded_planned_tokens`` reveals.
     """
-    from tqdm import tqdm
-
     if num_threads is not None:
         torch.set_num_threads(num_threads)
     pad_id = tokenizer.pad_token_id

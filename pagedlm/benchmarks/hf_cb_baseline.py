@@ -42,6 +42,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+from tqdm import tqdm
+from transformers import GenerationConfig
+
 from pagedlm.benchmarks.datasets import SampleRequest
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "paged|eager")
@@ -75,8 +79,6 @@ def plan_cache(prompt_lens: Sequence[int], output_lens: Sequence[int], page_size
 
 def cb_generation_config(ignore_eos: bool, eos_token_id: Any) -> Any:
     """Sampling as pagedlm's throughput benchmark does it: temperature 1, top-p 1, no top-k."""
-    from transformers import GenerationConfig
-
     return GenerationConfig(do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
                             eos_token_id=-1 if ignore_eos else eos_token_id,
                             max_new_tokens=1)
@@ -92,8 +94,7 @@ def run_hf_cb(model: Any, prompt_ids: Sequence[Sequence[int]],
     its ``max_new_tokens``.  Only generation is timed (the manager's set-up and a warm-up
     request are not).
     """
-    import torch
-    from tqdm import tqdm
+    # The hf-cb extra: transformers >= 5.17 (the base install asks for 4.45).
     from transformers import ContinuousBatchingConfig
 
     if len(prompt_ids) != len(requests):

@@ -15,9 +15,12 @@ import time
 from typing import Any
 
 import numpy as np
+import torch
 
+from pagedlm import LLM, SamplingParams
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.metrics import summarize
+from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
 PERCENTILES = (50.0, 90.0, 99.0)
@@ -26,9 +29,6 @@ PERCENTILES = (50.0, 90.0, 99.0)
 def run_iteration(engine: Any, prompts: list[list[int]], output_len: int, tag: str
                   ) -> tuple[float, list[float], list[bool]]:
     """One batch through ``engine`` (an LLMEngine): (latency s, step times s, is-decode)."""
-    from pagedlm import SamplingParams
-    from pagedlm.engine.output_processor import RequestOutputKind
-
     params = SamplingParams(temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True)
     engine.reset_prefix_cache()
     step_times: list[float] = []
@@ -83,10 +83,6 @@ def run_latency(llm: Any, batch_size: int, input_len: int, output_len: int,
 
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench latency`; returns the exit status."""
-    import torch
-
-    from pagedlm import LLM
-
     for name in ("batch_size", "input_len", "output_len", "num_iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from importlib import metadata
 from typing import Any
 
+from tqdm import tqdm
+
 from pagedlm.benchmarks.datasets import SampleRequest
 
 
@@ -32,7 +34,7 @@ def llama_cpp_available() -> bool:
 def load_llama(model_path: str, n_ctx: int, n_threads: int, seed: int = 0,
                n_batch: int = 512) -> tuple[Any, float]:
     """A ``llama_cpp.Llama`` on ``model_path``; returns (llm, load seconds)."""
-    try:
+    try:  # the llamacpp extra
         from llama_cpp import Llama
     except ImportError as e:
         raise ValueError("the llama-cpp-python baseline needs llama-cpp-python: run "
@@ -53,7 +55,7 @@ def llama_cpp_info(llm: Any | None = None) -> dict[str, Any]:
     except metadata.PackageNotFoundError:
         info["llama_cpp_python"] = None
     if llm is not None:
-        import llama_cpp
+        import llama_cpp  # the llamacpp extra (a loaded model means it is installed)
 
         info["llama_cpp_system_info"] = llama_cpp.llama_print_system_info().decode().strip()
     return info
@@ -79,8 +81,6 @@ def run_llama_cpp(llm: Any, prompt_ids: Sequence[Sequence[int]],
                   use_tqdm: bool = True) -> dict[str, Any]:
     """Generate every request, one at a time, and return throughput figures counted from
     the tokens llama.cpp produced (and detokenized, as a client would)."""
-    from tqdm import tqdm
-
     if len(prompt_ids) != len(requests):
         raise ValueError(f"{len(prompt_ids)} prompts for {len(requests)} requests")
     too_long = [i for i, (p, r) in enumerate(zip(prompt_ids, requests))

@@ -23,9 +23,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+
+from pagedlm import LLM, LoRARequest
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.datasets import load_sharegpt_records, sample_sharegpt
+from pagedlm.benchmarks.throughput import run_pagedlm
 from pagedlm.entrypoints.cli_args import engine_kwargs
+from pagedlm.lora.adapter import load_adapter
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -45,9 +51,6 @@ def _module_shapes(hf_config) -> dict[str, tuple[int, int]]:
 
 def write_random_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
     """A PEFT LoRA adapter directory for a Llama-family model, random weights."""
-    import torch
-    from safetensors.torch import save_file
-
     gen = torch.Generator().manual_seed(seed)
     shapes = _module_shapes(hf_config)
     tensors = {}
@@ -66,10 +69,6 @@ def write_random_adapter(path: Path, hf_config, rank: int, seed: int) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedlm import LLM, LoRARequest
-    from pagedlm.benchmarks.throughput import run_pagedlm
-    from pagedlm.lora.adapter import load_adapter
-
     if args.num_prompts < 1 or args.num_adapters < 1 or args.pairs < 1:
         raise ValueError("--num-prompts, --num-adapters and --pairs must be >= 1")
     kwargs = engine_kwargs(args)

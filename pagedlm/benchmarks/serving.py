@@ -19,10 +19,15 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from tqdm.auto import tqdm
+
 from pagedlm.benchmarks.common import read_json, result_header, write_json
 from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.benchmarks.datasets import SampleRequest
 from pagedlm.benchmarks.metrics import RequestRecord, compute_serving_metrics
+from pagedlm.entrypoints.bench_client import CompletionsClient, list_models
+from pagedlm.loader.gguf_loader import default_model_path
+from pagedlm.loader.tokenizer import load_tokenizer
 
 SendFn = Callable[[SampleRequest], Awaitable[RequestRecord]]
 
@@ -101,8 +106,6 @@ def format_report(metrics: dict[str, Any]) -> str:
 
 async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
                      ) -> tuple[str, list[RequestRecord], float]:
-    from pagedlm.entrypoints.bench_client import CompletionsClient, list_models
-
     model = args.model or (await list_models(args.base_url, args.api_key))[0]
     async with CompletionsClient(args.base_url, model, api_key=args.api_key,
                                  ignore_eos=args.ignore_eos, temperature=args.temperature,
@@ -116,8 +119,6 @@ async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
             raise ValueError(f"the test request to {client.url} failed: {probe.error}")
         bar = None
         if not args.disable_tqdm:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=len(requests), desc="Requests")
         offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
         try:
@@ -131,9 +132,6 @@ async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
 
 
 def _tokenizer(path: str | None) -> Any:
-    from pagedlm.loader.gguf_loader import default_model_path
-    from pagedlm.loader.tokenizer import load_tokenizer
-
     try:
         return load_tokenizer(path if path is not None else default_model_path())
     except FileNotFoundError as e:

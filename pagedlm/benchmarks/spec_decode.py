@@ -28,6 +28,7 @@ import statistics
 import time
 from typing import Any
 
+from pagedlm import LLM, SamplingParams
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.datasets import (
     MAX_PROMPT_LEN,
@@ -37,6 +38,7 @@ from pagedlm.benchmarks.datasets import (
     load_sharegpt_records,
     sample_sharegpt,
 )
+from pagedlm.benchmarks.throughput import run_pagedlm
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -92,8 +94,6 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     outputs must be equal (RuntimeError otherwise) unless `allow_divergence`, which counts
     the requests that part instead (q8 weights, whose GEMM's sums depend on a step's rows;
     README, Speculative decoding)."""
-    from pagedlm import SamplingParams
-
     tokenizer = engines["off"].get_tokenizer()
     per: dict[str, list[float]] = {"off": [], "on": []}
     totals = {"off": [0.0, 0], "on": [0.0, 0]}
@@ -146,9 +146,6 @@ def _spec_delta(before, after) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> int:
-    from pagedlm import LLM
-    from pagedlm.benchmarks.throughput import run_pagedlm
-
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     kwargs = engine_kwargs(args)

@@ -17,8 +17,11 @@ import json
 import statistics
 import time
 
+import torch
+
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
+from pagedlm.config import EngineArgs
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.entrypoints.cli_args import engine_kwargs
@@ -117,10 +120,6 @@ def fill_times(tokenizer, eos_ids, vocab_size: int, repeats: int = 200) -> dict:
 
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench structured`; returns the exit status."""
-    import torch
-
-    from pagedlm.config import EngineArgs
-
     if args.pairs < 1:
         raise ValueError(f"--pairs must be >= 1, got {args.pairs}")
     kwargs = engine_kwargs(args)

@@ -23,10 +23,20 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from pagedlm import LLM, SamplingParams
 from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.benchmarks.datasets import SampleRequest
+from pagedlm.benchmarks.hf_baseline import load_hf_model, load_hf_tokenizer, run_hf_static
+from pagedlm.benchmarks.hf_cb_baseline import HFCBConfig, run_hf_cb
+from pagedlm.benchmarks.llamacpp_baseline import llama_cpp_info, load_llama, run_llama_cpp
+from pagedlm.config import DTYPE_ALIASES
 from pagedlm.entrypoints.cli_args import engine_kwargs
+from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 
 
 def throughput_figures(elapsed_s: float, num_requests: int, prompt_tokens: int,
@@ -51,8 +61,6 @@ def run_pagedlm(llm: Any, requests: Sequence[SampleRequest], ignore_eos: bool = 
                 ) -> dict[str, Any]:
     """Generate every request with ``llm`` (a :class:`pagedlm.LLM`); count real tokens.
     `lora_requests`: each request's adapter (LoRARequest or None)."""
-    from pagedlm import SamplingParams
-
     prompts: list[str | dict] = [
         {"prompt_token_ids": list(r.prompt_token_ids)} if r.prompt_token_ids is not None
         else r.prompt
@@ -101,8 +109,6 @@ class PretokenizedPrompts:
         return [replace(r, prompt=f"#{i}") for i, r in enumerate(requests)]
 
     def __call__(self, keys: Sequence[str], **_: Any) -> dict[str, Any]:
-        import torch
-
         rows = [self._ids[int(k[1:])] for k in keys]
         width = max(len(r) for r in rows)
         input_ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
@@ -123,10 +129,6 @@ def _is_gguf(model: str | None) -> bool:
 def load_hf_text_tokenizer(path: str | None) -> Any:
     """An HF tokenizer set up for left padding, from a .gguf file (None: the embedded
     default) or a HF directory."""
-    from transformers import AutoTokenizer
-
-    from pagedlm.benchmarks.hf_baseline import load_hf_tokenizer
-
     if _is_gguf(path):
         return load_hf_tokenizer(path)
     tok = AutoTokenizer.from_pretrained(path)
@@ -139,12 +141,6 @@ def load_hf_text_tokenizer(path: str | None) -> Any:
 def load_hf(model: str | None, dtype: str) -> tuple[Any, float]:
     """The HF model, dequantized from a GGUF (None: the embedded default) or from a HF
     directory; returns (model, load seconds)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from pagedlm.benchmarks.hf_baseline import load_hf_model
-    from pagedlm.config import DTYPE_ALIASES
-
     dtypes = {"auto": torch.float32, "float32": torch.float32,
               "float16": torch.float16, "bfloat16": torch.bfloat16}
     name = DTYPE_ALIASES.get(dtype, dtype)
@@ -163,8 +159,6 @@ def run_hf(hf_model: Any, tokenizer: Any | None, requests: Sequence[SampleReques
            use_tqdm: bool = True) -> dict[str, Any]:
     """Run the static-batching baseline at each batch size; the best (by output tokens/s)
     is the result, every run is kept under ``sweep``."""
-    from pagedlm.benchmarks.hf_baseline import run_hf_static
-
     if tokenizer is None or requests[0].prompt_token_ids is not None:
         eos = getattr(hf_model.config, "eos_token_id", None)
         pad = eos[0] if isinstance(eos, list) else (eos if eos is not None else 0)
@@ -204,8 +198,6 @@ class Workload:
     def tokenizer(self) -> Any | None:
         """pagedlm's tokenizer for the model (None with --skip-tokenizer-init)."""
         if self._tokenizer is None and not self.args.skip_tokenizer_init:
-            from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
-
             self._tokenizer = load_tokenizer_for(resolve_model_source(self.model),
                                                  self.args.tokenizer)
         return self._tokenizer
@@ -237,8 +229,6 @@ class Workload:
 
 def _run_pagedlm_backend(args: argparse.Namespace, kwargs: dict[str, Any],
                          work: Workload) -> dict[str, Any]:
-    from pagedlm import LLM
-
     if args.enable_prefix_caching is not None:
         kwargs = {**kwargs, "enable_prefix_caching": args.enable_prefix_caching}
     start = time.perf_counter()
@@ -273,8 +263,6 @@ def _run_hf_backend(args: argparse.Namespace, hf: _HFModel, work: Workload) -> d
 
 def _run_hf_cb_backend(args: argparse.Namespace, hf: _HFModel, work: Workload
                        ) -> dict[str, Any]:
-    from pagedlm.benchmarks.hf_cb_baseline import HFCBConfig, run_hf_cb
-
     config = HFCBConfig(attn_implementation=args.hf_cb_attn, page_size=args.hf_cb_page_size,
                         num_blocks=args.hf_cb_num_blocks,
                         max_batch_tokens=args.hf_cb_max_batch_tokens,
@@ -287,17 +275,10 @@ def _run_hf_cb_backend(args: argparse.Namespace, hf: _HFModel, work: Workload
 
 
 def _run_llama_cpp_backend(args: argparse.Namespace, work: Workload) -> dict[str, Any]:
-    import torch
-
-    from pagedlm.benchmarks.llamacpp_baseline import llama_cpp_info, load_llama, run_llama_cpp
-    from pagedlm.loader.gguf_loader import default_model_path
-
     path = work.model if work.model is not None else str(default_model_path())
     threads = args.num_threads or torch.get_num_threads()
     requests = work.requests
     if requests is None:
-        from pagedlm.loader.gguf_loader import GGUFCheckpoint
-
         synthetic = args.dataset != "sharegpt"
         requests = work.get(GGUFCheckpoint(path).config.vocab_size if synthetic else None)
     # The context holds the longest request, rounded up.
@@ -322,8 +303,6 @@ def _print_summary(name: str, r: dict[str, Any]) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Run `pagedlm bench throughput`; returns the exit status."""
-    import torch
-
     kwargs = engine_kwargs(args)
     model = kwargs["model"]
     backends = list(dict.fromkeys(args.backend))
