@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from starlette.responses import Response
 
 import pagedlm
+from pagedlm.config import EngineArgs
 from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.dashboard import DashboardHub, add_dashboard_routes
@@ -228,8 +229,6 @@ def check_port_free(host: str, port: int) -> None:
 def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
     """Load the engine, then serve until interrupted."""
     import uvicorn
-
-    from pagedlm.config import EngineArgs
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     if args.enable_prefix_caching is not None:

@@ -149,35 +149,31 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
-class DeltaFunctionCall(ResponseModel):
-    name: str | None = None
-    arguments: str | None = None
+class _Delta(ResponseModel):
+    """A part of a stream chunk's delta: only its non-null fields are sent (OpenAI's deltas
+    carry only the fields that changed)."""
 
     @model_serializer(mode="wrap")
     def _drop_nulls(self, handler):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class DeltaToolCall(ResponseModel):
+class DeltaFunctionCall(_Delta):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Delta):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
     function: DeltaFunctionCall | None = None
 
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
 
-
-class DeltaMessage(ResponseModel):
+class DeltaMessage(_Delta):
     role: str | None = None
     content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _drop_nulls(self, handler):
-        # OpenAI's deltas carry only the fields that changed.
-        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChunkChoice(ResponseModel):
