@@ -22,7 +22,8 @@ import time
 from pagedlm.benchmarks.common import machine_info
 from pagedlm.benchmarks.datasets import sample_sharegpt
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core_client import AddCommand, FinishCommand, ProcessCoreClient
+from pagedlm.engine.core_client import AddCommand, FinishCommand
+from pagedlm.engine.core_process import ProcessCoreClient
 from pagedlm.engine.frontend import EngineFrontend
 from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
 from pagedlm.engine.output_processor import RequestOutputKind

@@ -36,9 +36,9 @@ from pagedlm.engine.core_client import (
     DashboardCommand,
     FinishCommand,
     LoRACommand,
-    ProcessCoreClient,
     ThreadCoreClient,
 )
+from pagedlm.engine.core_process import ProcessCoreClient
 from pagedlm.engine.dashboard import DashboardSnapshot
 from pagedlm.engine.frontend import EngineFrontend
 from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts

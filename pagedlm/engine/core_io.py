@@ -1,6 +1,6 @@
 """What crosses the engine core's boundary: requests in, a step's outputs out, the facts
 the frontend needs. Plain picklable data (token ids, no text, no torch tensors), so the
-core can run in a process of its own (engine/core_client.py)."""
+core can run in a process of its own (engine/core_process.py)."""
 
 from __future__ import annotations
 
