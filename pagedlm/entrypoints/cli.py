@@ -8,40 +8,31 @@ import logging
 import os
 import sys
 
+from pagedlm.benchmarks.cli import add_bench_parser
 from pagedlm.entrypoints.cli_args import (
     add_engine_args,
     add_sampling_args,
-    describe_sampling,
     engine_kwargs,
     parse_bytes,
-    sampling_params,
 )
+from pagedlm.entrypoints.openai import (
+    DEFAULT_MAX_NUM_QUEUED_REQUESTS,
+    DEFAULT_MAX_REQUEST_BODY_SIZE,
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_SHUTDOWN_TIMEOUT_S,
+)
+from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedlm import LLM
+    # deferred: generate loads the engine (torch); building the parser must not
+    from pagedlm.entrypoints.generate import run_generate
 
-    if not args.prompt:
-        hint = ""
-        if args.model and not os.path.exists(args.model):
-            hint = f"; {args.model!r} is not a model path: did you mean --prompt {args.model!r}?"
-        args._parser.error(f"give the prompt with -p/--prompt{hint}")
-    llm = LLM(**engine_kwargs(args))
-    params = sampling_params(args)
-    print(describe_sampling(params), file=sys.stderr)  # stdout stays the replies alone
-    tokenizer = llm.get_tokenizer()
-    use_chat = not args.no_chat_template and tokenizer is not None and getattr(tokenizer, "chat_template", None)
-    for prompt in args.prompt:
-        if use_chat:
-            outputs = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
-        else:
-            outputs = llm.generate(prompt, params, use_tqdm=False)
-        for completion in outputs[0].outputs:
-            print(completion.text if tokenizer is not None else completion.token_ids)
-    return 0
+    return run_generate(args)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    # deferred: chat loads the engine (torch); building the parser must not
     from pagedlm.entrypoints.chat import run_chat
 
     return run_chat(args)
@@ -62,14 +53,6 @@ def _parse_origins(text: str) -> list[str]:
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    from pagedlm.entrypoints.openai import (
-        DEFAULT_MAX_NUM_QUEUED_REQUESTS,
-        DEFAULT_MAX_REQUEST_BODY_SIZE,
-        DEFAULT_MAX_TOKENS,
-        DEFAULT_SHUTDOWN_TIMEOUT_S,
-    )
-    from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
-
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 for all)")
@@ -114,6 +97,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # deferred: the server loads FastAPI and the engine; building the parser must not
     from pagedlm.entrypoints.openai.api_server import run_server
 
     if args.log_level is None:
@@ -130,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_top(args: argparse.Namespace) -> int:
+    # deferred: top loads rich; building the parser must not
     from pagedlm.entrypoints.top import run_top
 
     if not args.interval > 0:
@@ -204,8 +189,6 @@ def build_parser() -> argparse.ArgumentParser:
     top.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes")
     top.add_argument("--once", action="store_true", help="print one frame and exit")
     top.set_defaults(func=cmd_top)
-
-    from pagedlm.benchmarks.cli import add_bench_parser
 
     add_bench_parser(sub)
     _finish_subcommands(parser)
