@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedlm.benchmarks.kv_waste import (
+from pagedlm.benchmarks.kv_usage import (
     RESERVE_MAX,
     RESERVE_ORACLE,
     measured_waste,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from pagedlm.benchmarks.common import read_json, write_json
-from pagedlm.benchmarks.kv_waste import measured_waste, simulate_kv_usage
+from pagedlm.benchmarks.kv_usage import measured_waste, simulate_kv_usage
 from pagedlm.benchmarks.metrics import RequestRecord, compute_serving_metrics
 from pagedlm.engine.stats import KVUsageSample
 from pagedlm.entrypoints.cli import main

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedlm.benchmarks.common import read_json
-from pagedlm.benchmarks.kv_waste import RESERVE_MAX, RESERVE_ORACLE
+from pagedlm.benchmarks.kv_usage import RESERVE_MAX, RESERVE_ORACLE
 
 _LATENCY_METRICS = (("ttft_ms", "time to first token"), ("tpot_ms", "time per output token"),
                     ("itl_ms", "inter-token latency"), ("e2el_ms", "end-to-end latency"))
