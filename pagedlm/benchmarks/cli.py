@@ -13,6 +13,7 @@ This module only parses; each benchmark's module is imported when it runs, so th
 from __future__ import annotations
 
 import argparse
+import importlib
 from typing import Any
 
 from pagedlm.benchmarks.dataset_args import add_dataset_args
@@ -44,8 +45,7 @@ def _cmd(module: str) -> Any:
     """A command that imports ``pagedlm.benchmarks.<module>`` and calls its ``main(args)``."""
 
     def run(args: argparse.Namespace) -> int:
-        import importlib
-
+        # deferred: a benchmark's module (the engine, torch) loads only when it runs
         return importlib.import_module(f"pagedlm.benchmarks.{module}").main(args)
 
     return run

@@ -31,6 +31,7 @@ def machine_info(threads: int | None = None) -> dict[str, Any]:
     except AttributeError:
         usable = os.cpu_count() or 0
     if threads is None:
+        # Not at the top: bench plot uses this module's JSON helpers without loading torch.
         import torch
 
         threads = torch.get_num_threads()

@@ -27,7 +27,7 @@ _LATENCY_METRICS = (("ttft_ms", "time to first token"), ("tpot_ms", "time per ou
 
 
 def _figure(nrows: int, ncols: int, size: tuple[float, float]) -> tuple[Any, Any]:
-    from matplotlib.figure import Figure
+    from matplotlib.figure import Figure  # the bench extra
 
     fig = Figure(figsize=size, layout="constrained")
     return fig, fig.subplots(nrows, ncols, squeeze=False)
