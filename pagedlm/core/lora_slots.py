@@ -5,7 +5,8 @@ in one: a free slot, else the least recently used slot whose adapter no running 
 uses. An adapter in use is never evicted; a request whose adapter finds no slot waits
 (other requests are admitted past it). Adapters are opaque here (anything with a
 `content_hash`): the scheduler only says which slot to load with what, in the
-SchedulerOutput of the step that first uses it.
+SchedulerOutput of the step that first uses it (`admit` records the load, `take_loads`
+hands it over once).
 
     slots   [ A | B | - | C ]        running: uses A, C
     place D -> slot 2 (free)         place E -> slot 1 (B: idle, least recent) -> load E
@@ -24,6 +25,8 @@ class LoRASlots:
         self.slot_of: dict[bytes, int] = {}
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # least recently placed first
         self.num_loads = 0
+        # Loads not yet sent to the workers: slot -> adapter.
+        self._pending_loads: dict[int, object] = {}
 
     def place(self, adapter, in_use: Callable[[], Iterable[bytes]]) -> tuple[int, bool] | None:
         """The slot `adapter` is (or will be) in, and whether it must be loaded there
@@ -48,6 +51,22 @@ class LoRASlots:
         self._recent[key] = None
         self.num_loads += 1
         return slot, True
+
+    def admit(self, adapter, in_use: Callable[[], Iterable[bytes]]) -> bool:
+        """Put the adapter of a request being admitted in a slot (loaded with the next
+        step that reaches the workers); False if every slot holds an adapter in use."""
+        placed = self.place(adapter, in_use)
+        if placed is None:
+            return False
+        slot, load = placed
+        if load:
+            self._pending_loads[slot] = adapter
+        return True
+
+    def take_loads(self) -> dict[int, object]:
+        """The loads admitted since the last call (slot -> adapter), for the workers."""
+        loads, self._pending_loads = self._pending_loads, {}
+        return loads
 
     def check_invariants(self) -> None:
         assert len(self.holder) == self.max_loras

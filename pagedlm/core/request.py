@@ -146,3 +146,20 @@ class Request:
             f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})"
         )
 
+
+def check_stop(request: Request, token_id: int) -> RequestStatus | None:
+    """The finished status `request` takes now that it sampled `token_id` (its last
+    output token), or None while it goes on. A stop token id is recorded as its
+    `stop_reason`; stop strings are matched on text, by the engine's frontend."""
+    params = request.sampling_params
+    num_output = request.num_output_tokens
+    if num_output >= params.min_tokens:
+        if not params.ignore_eos and token_id in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+    if num_output >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED
+    return None
+

@@ -10,6 +10,11 @@ whole long prompt: inter-token latency stays steady under load. When the cache h
 the most recently admitted running request is preempted: its blocks go back to the pool
 and it returns to the front of the waiting queue, to be recomputed from its first token
 (its generated tokens are kept, so nothing the user saw changes).
+
+This file is the policy; what it decides with lives apart: what a scheduled request
+sends the workers (core/output_builder.py), samples waiting for their leader
+(core/pending_forks.py), LoRA slots (core/lora_slots.py), KV blocks
+(core/kv_cache_manager.py) and when a request stops (`check_stop`, core/request.py).
 """
 
 from __future__ import annotations
@@ -21,8 +26,10 @@ from collections.abc import Iterable, Sequence
 from pagedlm.config import SchedulerConfig
 from pagedlm.core.kv_cache_manager import KVCacheManager
 from pagedlm.core.lora_slots import LoRASlots
-from pagedlm.core.request import Request, RequestStatus
-from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.core.output_builder import OutputBuilder
+from pagedlm.core.pending_forks import PendingForks
+from pagedlm.core.request import Request, RequestStatus, check_stop
+from pagedlm.core.sched_output import SchedulerOutput
 
 
 class Scheduler:
@@ -30,21 +37,19 @@ class Scheduler:
                  lora_slots: LoRASlots | None = None) -> None:
         self.config = config
         self.kv = kv_cache_manager
-        # LoRA: which adapter each worker slot holds, and loads not yet sent to the workers.
+        # LoRA: which adapter each worker slot holds (None: LoRA is off).
         self.lora_slots = lora_slots
-        self._lora_loads: dict[int, object] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         # Samples waiting for their leader's prompt: leader id -> requests to fork from it.
-        self.pending_forks: dict[str, list[Request]] = {}
+        self.pending_forks = PendingForks()
         self.num_preemptions = 0
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens found
         # update_from_output: request id -> tokens it got beyond one (accepted drafts).
         self.num_extra_tokens: dict[str, int] = {}
-        # Requests the workers hold that they must drop at the next step.
-        self._finished_req_ids: list[str] = []
+        self._output = OutputBuilder(kv_cache_manager, lora_slots, self.pending_forks)
 
     # ----- requests in and out -------------------------------------------------------
 
@@ -79,7 +84,7 @@ class Scheduler:
                 raise ValueError(f"request_id {follower.request_id!r} is already in use")
             follower.status = RequestStatus.WAITING
             self.requests[follower.request_id] = follower
-        self.pending_forks.setdefault(leader.request_id, []).extend(followers)
+        self.pending_forks.add(leader.request_id, followers)
 
     def finish_requests(self, request_ids: Iterable[str], status: RequestStatus) -> list[Request]:
         """End requests early (stop string matched, client gone). Unknown ids are ignored."""
@@ -94,32 +99,16 @@ class Scheduler:
             elif request in self.waiting:
                 self.waiting.remove(request)
             else:
-                self._remove_pending_fork(request)
+                self.pending_forks.remove(request)
             request.status = status
             self._free(request)
             finished.append(request)
         return finished
 
-    def _remove_pending_fork(self, request: Request) -> None:
-        for leader_id, followers in list(self.pending_forks.items()):
-            if request in followers:
-                followers.remove(request)
-                if not followers:
-                    del self.pending_forks[leader_id]
-                return
-        raise AssertionError(f"{request} is in no queue")
-
     def _free(self, request: Request) -> None:
-        self._unsync(request)
+        self._output.unsync(request)
         self.kv.free(request)
         del self.requests[request.request_id]
-
-    def _unsync(self, request: Request) -> None:
-        """The workers drop the request at the next step; if it runs again, it is sent
-        to them whole."""
-        if request.num_synced_tokens:
-            self._finished_req_ids.append(request.request_id)
-            request.num_synced_tokens = 0
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.pending_forks)
@@ -135,7 +124,7 @@ class Scheduler:
     @property
     def num_pending_forks(self) -> int:
         """Samples 2..n of requests whose first sample has not sampled yet."""
-        return sum(len(followers) for followers in self.pending_forks.values())
+        return self.pending_forks.num_followers
 
     # ----- one step ---------------------------------------------------------------------
 
@@ -163,28 +152,19 @@ class Scheduler:
                     continue
                 prefill_budget -= num_new
             elif drafts:  # a decode verifying drafts: its last token, then the drafts
-                drafts = drafts[:self._max_drafts(request, budget)]
-                if drafts and self.kv.allocate_slots(request, 1 + len(drafts)):
-                    self.kv.cache_blocks(request, request.num_tokens)  # drafts are not hashed
-                    self._add_to_output(out, request, 1 + len(drafts))
-                    out.spec_token_ids[request.request_id] = drafts
-                    budget -= 1 + len(drafts)
+                num_verified = self._schedule_drafts(out, request, drafts, budget)
+                if num_verified:
+                    budget -= num_verified
                     i += 1
                     continue
-                # No room for them: decode plainly (the loop below may preempt for it).
-            while not self.kv.allocate_slots(request, num_new):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_request_ids.append(victim.request_id)
-                if victim is request:
-                    break
-            else:
-                self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
-                self._add_to_output(out, request, num_new)
-                budget -= num_new
-                i += 1
-                continue
-            break  # the request preempted itself: nothing behind it is left to schedule
+                # No room for them: decode plainly (preempting for it if need be).
+            if (not self.kv.allocate_slots(request, num_new)
+                    and not self._preempt_for(out, request, num_new)):
+                break  # the request preempted itself: nothing behind it is left to schedule
+            self.kv.cache_blocks(request, request.num_computed_tokens + num_new)
+            self._output.add(out, request, num_new)
+            budget -= num_new
+            i += 1
 
         # Then admit waiting requests, unless this step already had to preempt. One whose
         # adapter finds no LoRA slot is passed over (`skipped`), for this step.
@@ -200,7 +180,8 @@ class Scheduler:
             if request is None:
                 break
             assert request.num_computed_tokens == 0
-            if request.lora is not None and not self._place_lora(request):
+            if request.lora is not None and not self.lora_slots.admit(request.lora,
+                                                                      self._adapters_in_use):
                 skipped.add(id(request))
                 continue
             hits = self.kv.get_computed_blocks(request)
@@ -213,45 +194,61 @@ class Scheduler:
                 num_new = limit
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
-            self.waiting.remove(request)
-            self.running.append(request)
-            request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-            request.num_computed_tokens = num_hit_tokens
-            if request.num_preemptions == 0:
-                request.num_cached_prompt_tokens = num_hit_tokens
-            if self.kv.enable_caching and not request.skip_prefix_cache:
-                self.prefix_cache_queries += request.num_tokens
-                self.prefix_cache_hits += num_hit_tokens
-            self.kv.cache_blocks(request, num_hit_tokens + num_new)
-            self._add_to_output(out, request, num_new)
+            self._admit(out, request, num_hit_tokens, num_new)
             budget -= num_new
             prefill_budget -= num_new
-        out.copy_blocks = self.kv.take_pending_copies()
-        if not out.is_empty:  # an empty step never reaches the workers: keep them for the next
-            out.finished_req_ids, self._finished_req_ids = self._finished_req_ids, []
-            out.lora_loads, self._lora_loads = self._lora_loads, {}
+        self._output.finish(out)
         return out
 
-    def _place_lora(self, request: Request) -> bool:
-        """Put the request's adapter in a LoRA slot (loaded with the next step that reaches
-        the workers); False if every slot holds an adapter a running request uses."""
-        placed = self.lora_slots.place(
-            request.lora, lambda: (r.lora.content_hash for r in self.running if r.lora))
-        if placed is None:
-            return False
-        slot, load = placed
-        if load:
-            self._lora_loads[slot] = request.lora
-        return True
+    def _admit(self, out: SchedulerOutput, request: Request, num_hit_tokens: int,
+               num_new: int) -> None:
+        """Move a waiting request whose slots are allocated to the running ones: it
+        computes `num_new` tokens after the `num_hit_tokens` the prefix cache holds."""
+        self.waiting.remove(request)
+        self.running.append(request)
+        request.status = RequestStatus.RUNNING
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_prompt_tokens = num_hit_tokens
+        if self.kv.enable_caching and not request.skip_prefix_cache:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_hit_tokens
+        self.kv.cache_blocks(request, num_hit_tokens + num_new)
+        self._output.add(out, request, num_new)
 
-    def _max_drafts(self, request: Request, budget: int) -> int:
-        """Drafts worth verifying: within the step's token budget, the context and what
-        the request may still generate (a step emits at most drafts + 1 tokens)."""
-        return max(0, min(budget - 1,
-                          self.config.max_model_len - request.num_tokens,
-                          request.max_tokens - request.num_output_tokens - 1))
+    def _adapters_in_use(self) -> Iterable[bytes]:
+        """The content hashes of running requests' adapters (which no LoRA slot may drop)."""
+        return (r.lora.content_hash for r in self.running if r.lora)
+
+    def _schedule_drafts(self, out: SchedulerOutput, request: Request, drafts: list[int],
+                         budget: int) -> int:
+        """Schedule a decode that verifies speculative `drafts`: its last token, then the
+        drafts worth verifying, within the step's token budget, the context and what the
+        request may still generate (a step emits at most drafts + 1 tokens). Returns the
+        tokens scheduled; 0 (nothing done) if no draft fits or their blocks do not."""
+        drafts = drafts[:max(0, min(budget - 1,
+                                    self.config.max_model_len - request.num_tokens,
+                                    request.max_tokens - request.num_output_tokens - 1))]
+        if not drafts or not self.kv.allocate_slots(request, 1 + len(drafts)):
+            return 0
+        self.kv.cache_blocks(request, request.num_tokens)  # drafts are not hashed
+        self._output.add(out, request, 1 + len(drafts))
+        out.spec_token_ids[request.request_id] = drafts
+        return 1 + len(drafts)
+
+    def _preempt_for(self, out: SchedulerOutput, request: Request, num_new: int) -> bool:
+        """Preempt the most recently admitted running requests until `request` gets the
+        slots for `num_new` tokens. False if it had to preempt `request` itself."""
+        while True:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_request_ids.append(victim.request_id)
+            if victim is request:
+                return False
+            if self.kv.allocate_slots(request, num_new):
+                return True
 
     def _prefill_budget(self) -> int:
         """The prompt tokens (chunks, recomputation) this step may compute. While any
@@ -266,52 +263,9 @@ class Scheduler:
                 return cap
         return self.config.max_num_batched_tokens
 
-    def _add_to_output(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
-        request_id = request.request_id
-        num_computed = request.num_computed_tokens
-        if request.num_synced_tokens == 0:
-            out.new_reqs.append(self._new_request_data(request, self.kv.take_block_ids(request_id),
-                                                       num_computed))
-        else:
-            start = request.num_synced_tokens
-            block_offset, new_block_ids = self.kv.take_block_ids_delta(request_id)
-            out.cached_reqs.append(request_id, start, request.all_token_ids[start:],
-                                   block_offset, new_block_ids, num_computed)
-        request.num_synced_tokens = request.num_tokens
-        if num_computed + num_new == request.num_tokens:
-            followers = self.pending_forks.get(request_id)
-            if followers:
-                # They share the table the leader has after this step's allocation.
-                block_ids = self.kv.get_block_ids(request_id)
-                out.fork_reqs[request_id] = [
-                    self._new_request_data(f, list(block_ids), num_computed + num_new)
-                    for f in followers]
-                for f in followers:
-                    f.num_synced_tokens = f.num_tokens
-        out.num_scheduled_tokens[request_id] = num_new
-        out.total_num_scheduled_tokens += num_new
-        out.num_prompt_tokens += min(num_new, max(0, request.num_prompt_tokens - num_computed))
-
-    def _new_request_data(self, request: Request, block_ids: list[int],
-                          num_computed: int) -> NewRequestData:
-        # A request reaches the workers only while its adapter is in a slot: placed at
-        # admission, kept there while it runs (forks and beams share it).
-        lora_slot = -1 if request.lora is None else self.lora_slots.slot_of[request.lora.content_hash]
-        return NewRequestData(
-            req_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=list(request.output_token_ids),
-            sampling_params=request.sampling_params,
-            seed=request.seed,
-            eos_token_ids=request.eos_token_ids,
-            block_ids=block_ids,
-            num_computed_tokens=num_computed,
-            lora_slot=lora_slot,
-        )
-
     def _preempt(self, request: Request) -> None:
         request.spec_token_ids = []
-        self._unsync(request)
+        self._output.unsync(request)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -388,7 +342,7 @@ class Scheduler:
             follower.first_scheduled_time = leader.first_scheduled_time
             self.running.append(follower)
         for follower in reversed(deferred):
-            self._unsync(follower)
+            self._output.unsync(follower)
             self.waiting.appendleft(follower)
         return started
 
@@ -411,29 +365,15 @@ class Scheduler:
 
     def _append_token(self, request: Request, token_id: int) -> Request:
         request.append_output_token(token_id)
-        status = self._check_stop(request, token_id)
+        status = check_stop(request, token_id)
         if status is not None:
             request.status = status
             self.running.remove(request)
             self._free(request)
         return request
 
-    def _check_stop(self, request: Request, token_id: int) -> RequestStatus | None:
-        params = request.sampling_params
-        num_output = request.num_output_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token_id in request.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token_id in params.stop_token_ids:
-                request.stop_reason = token_id
-                return RequestStatus.FINISHED_STOPPED
-        if num_output >= request.max_tokens:
-            return RequestStatus.FINISHED_LENGTH_CAPPED
-        return None
-
     def check_invariants(self) -> None:
-        pending = [f for followers in self.pending_forks.values() for f in followers]
-        live = list(self.running) + list(self.waiting) + pending
+        live = list(self.running) + list(self.waiting) + self.pending_forks.followers()
         assert len({r.request_id for r in live}) == len(live)
         assert set(self.requests) == {r.request_id for r in live}
         assert len(self.running) <= self.config.max_num_seqs
