@@ -16,7 +16,8 @@ LLMEngine's core on a thread of this process instead.
 Every frontend structure is touched by the event loop thread only: messages from the core
 arrive on a receiver thread and are handed over with `call_soon_threadsafe`. The event
 loop never waits on the core, so `/health` answers during a long prefill. Outputs are
-DELTA outputs (only what is new since the last one).
+DELTA outputs (only what is new since the last one). The streams, and the errors they
+raise, are engine/request_stream.py's.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from pagedlm.config import EngineArgs
 from pagedlm.engine.core_client import (
@@ -43,6 +43,13 @@ from pagedlm.engine.dashboard import DashboardSnapshot
 from pagedlm.engine.frontend import EngineFrontend
 from pagedlm.engine.llm_engine import LLMEngine, load_frontend_parts
 from pagedlm.engine.output_processor import RequestOutputKind
+from pagedlm.engine.request_stream import (
+    EngineDeadError,
+    PromptEntry,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from pagedlm.engine.stats import EngineStats
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import RequestOutput
@@ -51,23 +58,6 @@ from pagedlm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 OutputListener = Callable[[RequestOutput], None]
-
-
-class QueueFullError(RuntimeError):
-    """The engine's waiting queue is at --max-num-queued-requests."""
-
-
-class EngineDeadError(RuntimeError):
-    """The engine core stopped on an unexpected error; no request can be served."""
-
-
-class RequestFailedError(RuntimeError):
-    """The engine ended one request with an error; the others go on. `code` says why:
-    "internal_error" (a fault confined to this request), "server_shutting_down"."""
-
-    def __init__(self, message: str, code: str = "internal_error") -> None:
-        super().__init__(message)
-        self.code = code
 
 
 class AsyncLLMEngine:
@@ -253,7 +243,7 @@ class AsyncLLMEngine:
             stream = (streams.pop(output.request_id, None) if output.finished
                       else streams.get(output.request_id))
             if stream is not None and not stream.closed:
-                stream._queue.put_nowait(output)
+                stream.put(output)
 
     def _die(self, reason: str) -> None:
         if self.dead_error is not None:
@@ -266,7 +256,7 @@ class AsyncLLMEngine:
         self._acks.clear()
         for stream in self._streams.values():
             if not stream.closed:
-                stream._queue.put_nowait(self.dead_error)
+                stream.put(self.dead_error)
         self._streams.clear()
         for listener in self._dead_listeners:
             listener()
@@ -279,7 +269,7 @@ class AsyncLLMEngine:
         ids = list(self._streams)
         for stream in set(self._streams.values()):
             if not stream.closed:
-                stream._queue.put_nowait(error)
+                stream.put(error)
         for future in self._acks.values():
             if not future.done():
                 future.set_exception(error)
@@ -321,9 +311,18 @@ class AsyncLLMEngine:
         self.client.submit(LoRACommand(command_id, **what))
         await ack
 
-    def _add(self, stream: RequestStream, prompts: list[tuple[str, str | None, list[int]]],
-             params: SamplingParams, arrival_time: float,
-             lora_name: str | None = None) -> list[asyncio.Future]:
+    # ----- what a RequestStream asks of its engine (request_stream.StreamEngine) -------------
+
+    def check_accepting(self) -> None:
+        """Raise the error new requests get now: the core is dead, or fail_requests() ran."""
+        if self.dead_error is not None:
+            raise self.dead_error
+        if self._refusal is not None:
+            raise self._refusal
+
+    def add_stream_requests(self, stream: RequestStream, prompts: list[PromptEntry],
+                            params: SamplingParams, arrival_time: float,
+                            lora_name: str | None = None) -> list[asyncio.Future]:
         """Register and submit one request per (request_id, prompt, token ids), all or none:
         the core queues them together or rejects them together."""
         requests = []
@@ -346,93 +345,11 @@ class AsyncLLMEngine:
         self.client.submit(AddCommand(*requests))
         return acks
 
+    def abort_stream_requests(self, request_ids: list[str]) -> None:
+        self._call_soon(self._abort, request_ids)
+
     def _abort(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self._streams.pop(request_id, None)
         self._deliver(self.frontend.abort(request_ids))
         self.client.submit(AbortCommand(request_ids))
-
-
-class RequestStream:
-    """The outputs of the engine requests one API call made (several for a list of prompts).
-
-    Iterating yields every request's DELTA outputs in the order the engine produced them
-    and ends when all added requests have finished. `close()` aborts the unfinished ones,
-    so the core frees their KV blocks at its next step; it runs on every exit path of a
-    handler (client gone, error, cancellation) and, as a last resort, on garbage collection.
-    """
-
-    def __init__(self, engine: AsyncLLMEngine) -> None:
-        self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._unfinished: set[str] = set()
-        # request id -> its place among the requests added to this stream (an API call's
-        # prompt index), so callers never parse structure back out of ids
-        self.index_of: dict[str, int] = {}
-        self.closed = False
-
-    async def add(self, request_id: str, prompt: str | None, prompt_token_ids: Sequence[int],
-                  params: SamplingParams, arrival_time: float | None = None) -> None:
-        """Add a request; returns once the core accepted it. Raises ValueError for
-        invalid input, QueueFullError, EngineDeadError."""
-        await self.add_many([(request_id, prompt, prompt_token_ids)], params, arrival_time)
-
-    async def add_many(self, prompts: Sequence[tuple[str, str | None, Sequence[int]]],
-                       params: SamplingParams, arrival_time: float | None = None,
-                       lora_name: str | None = None) -> None:
-        """Add one request per (request_id, prompt text or None, prompt token ids), all
-        or none: if the queue cannot take them all, none is queued (QueueFullError).
-        `lora_name`: an adapter added with `add_lora` (None: the base model)."""
-        engine = self._engine
-        if self.closed:
-            raise RuntimeError("the stream is closed")
-        if engine.dead_error is not None:
-            raise engine.dead_error
-        if engine._refusal is not None:
-            raise engine._refusal
-        entries = [(request_id, prompt, list(ids)) for request_id, prompt, ids in prompts]
-        acks = engine._add(self, entries, params,
-                           arrival_time if arrival_time is not None else time.monotonic(),
-                           lora_name)
-        # Before waiting: if we are cancelled while waiting, close() still aborts them.
-        for request_id, _, _ in entries:
-            self._unfinished.add(request_id)
-            self.index_of[request_id] = len(self.index_of)
-        await asyncio.wait(acks)
-        errors = [ack.exception() for ack in acks if ack.exception() is not None]
-        if errors:
-            for request_id, _, _ in entries:
-                self._unfinished.discard(request_id)
-            raise errors[0]
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if not self._unfinished:
-            raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self._unfinished.clear()
-            raise item
-        if item.finished:
-            self._unfinished.discard(item.request_id)
-        if item.error is not None:  # this request failed alone; close() aborts the others
-            raise RequestFailedError(item.error)
-        return item
-
-    def close(self) -> None:
-        """Abort every request that has not finished. Idempotent; never blocks; safe from
-        any thread (the abort runs on the event loop)."""
-        self.closed = True
-        if self._unfinished:
-            ids = sorted(self._unfinished)
-            self._unfinished.clear()
-            self._engine._call_soon(self._engine._abort, ids)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown
-            pass
-

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError
+from pagedlm.engine.async_engine import AsyncLLMEngine
 from pagedlm.engine.llm_engine import LLMEngine
+from pagedlm.engine.request_stream import QueueFullError
 from pagedlm.sampling_params import SamplingParams
 
 PROMPT = [5, 17, 42, 99, 7]

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedlm.engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from pagedlm.engine.request_stream import EngineDeadError, QueueFullError, RequestFailedError
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.responses import Response
 
-from pagedlm.engine.async_engine import RequestStream
+from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.protocol.common import SamplingFields, UsageInfo
 from pagedlm.entrypoints.openai.sse import (
     SSE_DONE,

@@ -19,7 +19,8 @@ from types import FrameType
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from pagedlm.engine.async_engine import AsyncLLMEngine, RequestFailedError
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.request_stream import RequestFailedError
 from pagedlm.entrypoints.openai import DEFAULT_SHUTDOWN_TIMEOUT_S
 from pagedlm.entrypoints.openai.errors import SHUTDOWN_RETRY_AFTER_S, error_response
 

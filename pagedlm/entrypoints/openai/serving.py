@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from pagedlm.engine.async_engine import AsyncLLMEngine, QueueFullError, RequestStream
+from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.request_stream import QueueFullError, RequestStream
 from pagedlm.entrypoints.openai import DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.chat_messages import conversation
 from pagedlm.entrypoints.openai.errors import APIError, bad_request, queue_full_error

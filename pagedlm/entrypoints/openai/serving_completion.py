@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from starlette.responses import Response
 
-from pagedlm.engine.async_engine import RequestStream
+from pagedlm.engine.request_stream import RequestStream
 from pagedlm.entrypoints.openai.errors import bad_request
 from pagedlm.entrypoints.openai.generation import (
     GatheredChoice,

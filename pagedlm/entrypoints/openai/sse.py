@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from pagedlm.engine.async_engine import EngineDeadError, RequestFailedError
+from pagedlm.engine.request_stream import EngineDeadError, RequestFailedError
 from pagedlm.entrypoints.openai.errors import APIError, error_body, failed_request_error
 
 logger = logging.getLogger(__name__)
