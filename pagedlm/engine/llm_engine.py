@@ -11,12 +11,18 @@ import logging
 import time
 from collections.abc import Sequence
 
+import torch
+
 from pagedlm.config import EngineArgs
+from pagedlm.core.kv_cache_manager import KVCacheManager
+from pagedlm.core.scheduler import Scheduler
+from pagedlm.engine.beam_search import BeamSearchDriver
 from pagedlm.engine.core import EngineCore, StepRecord
 from pagedlm.engine.core_io import CoreBeamRequest
 from pagedlm.engine.frontend import EngineFrontend, eos_token_ids
 from pagedlm.engine.output_processor import RequestOutputKind
-from pagedlm.engine.stats import EngineStats
+from pagedlm.engine.stats import EngineStats, KVUsageSample
+from pagedlm.executor import Executor
 from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
 from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.lora.request import LoRARequest
@@ -25,7 +31,7 @@ from pagedlm.sampling_params import BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "StepRecord"]
+__all__ = ["LLMEngine"]
 
 
 def load_frontend_parts(args: EngineArgs):
@@ -46,52 +52,26 @@ class LLMEngine:
         source, self.tokenizer, self.eos_token_ids = load_frontend_parts(args)
         self.model_path = source.path
         self.hf_config = source.hf_config
-        self.core = EngineCore(args, source, self.eos_token_ids, self.tokenizer)
-        self.frontend = EngineFrontend(self.tokenizer, self.core.info, args.seed)
+        self.core = core = EngineCore(args, source, self.eos_token_ids, self.tokenizer)
+        self.frontend = EngineFrontend(self.tokenizer, core.info, args.seed)
+        # The core's parts, for tools and tests that look inside: the core never replaces
+        # them, so these are the same objects for the engine's life.
+        self.scheduler: Scheduler = core.scheduler
+        self.kv_cache_manager: KVCacheManager = core.kv_cache_manager
+        self.model_executor: Executor = core.model_executor
+        self.beam_search: BeamSearchDriver = core.beam_search
+        self.kv_usage: list[KVUsageSample] = core.kv_usage
+        self.device: torch.device = core.device
+        self.dtype: torch.dtype = core.dtype
+        self.max_model_len: int = core.max_model_len
+        self.vocab_size: int = core.info.vocab_size
         self.load_time_s = time.perf_counter() - t0
-        log_engine(self.core, self.model_path, self.load_time_s)
-
-    # ----- the core's parts, for tools and tests that look inside ------------------------------
-
-    @property
-    def scheduler(self):
-        return self.core.scheduler
-
-    @property
-    def kv_cache_manager(self):
-        return self.core.kv_cache_manager
-
-    @property
-    def model_executor(self):
-        return self.core.model_executor
-
-    @property
-    def beam_search(self):
-        return self.core.beam_search
+        log_engine(core, self.model_path, self.load_time_s)
 
     @property
     def last_step(self) -> StepRecord | None:
+        """What the core's last step did (a new record every step)."""
         return self.core.last_step
-
-    @property
-    def kv_usage(self):
-        return self.core.kv_usage
-
-    @property
-    def device(self):
-        return self.core.device
-
-    @property
-    def dtype(self):
-        return self.core.dtype
-
-    @property
-    def max_model_len(self) -> int:
-        return self.core.max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        return self.core.info.vocab_size
 
     # ----- requests -----------------------------------------------------------------------
 
