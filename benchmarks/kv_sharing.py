@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from pagedlm import LLM, BeamSearchParams, SamplingParams  # noqa: E402
 from pagedlm.benchmarks.datasets import sample_sharegpt  # noqa: E402
 from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path  # noqa: E402
+from pagedlm.loader.tokenizer import gguf_tokenizer  # noqa: E402
 
 
 def cdiv(a: int, b: int) -> int:
@@ -123,7 +124,7 @@ def main() -> None:
     ap.add_argument("--output", default="benchmarks/results/kv_sharing_cpu_smollm2.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
-    tokenizer = GGUFCheckpoint(default_model_path()).tokenizer()
+    tokenizer = gguf_tokenizer(GGUFCheckpoint(default_model_path()))
     reqs = sample_sharegpt(tokenizer, args.num_prompts + args.num_chat_requests, seed=0)
     prompts = [r.prompt for r in reqs[: args.num_prompts]]
     questions = [tokenizer.decode(tokenizer(r.prompt).input_ids[:64]) for r in reqs[args.num_prompts:]]

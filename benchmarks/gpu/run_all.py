@@ -122,7 +122,8 @@ def prepare_requests(num_prompts: int, path: str | Path) -> int:
     """Sample ShareGPT requests, counted with SmolLM2's tokenizer, and write them as token
     ids: the same prompts for every engine, and no tokenizer or dataset on the GPU side."""
     from pagedlm.benchmarks.dataset_args import build_requests
-    from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+    from pagedlm.loader.model_loader import resolve_model_source
+    from pagedlm.loader.tokenizer import load_tokenizer_for
 
     gguf = smollm2_tokenizer()
     tokenizer = load_tokenizer_for(resolve_model_source(gguf), gguf)

@@ -45,7 +45,8 @@ from pagedlm.benchmarks.common import model_label, result_header, write_json
 from pagedlm.benchmarks.dataset_args import build_requests, dataset_info
 from pagedlm.benchmarks.kv_usage import format_table, measured_waste, simulate_kv_usage
 from pagedlm.entrypoints.cli_args import engine_kwargs
-from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+from pagedlm.loader.model_loader import resolve_model_source
+from pagedlm.loader.tokenizer import load_tokenizer_for
 
 
 def measure_engine(requests: Sequence[Any], engine_kwargs: dict[str, Any], block_size: int,

@@ -36,7 +36,8 @@ from pagedlm.benchmarks.llamacpp_baseline import llama_cpp_info, load_llama, run
 from pagedlm.config import DTYPE_ALIASES
 from pagedlm.entrypoints.cli_args import engine_kwargs
 from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
-from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+from pagedlm.loader.model_loader import resolve_model_source
+from pagedlm.loader.tokenizer import load_tokenizer_for
 
 
 def throughput_figures(elapsed_s: float, num_requests: int, prompt_tokens: int,

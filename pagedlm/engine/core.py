@@ -48,7 +48,7 @@ from pagedlm.engine.draft_model import make_proposer
 from pagedlm.engine.lora_registry import LoRARegistry
 from pagedlm.engine.stats import EngineStats, KVUsageSample, collect_stats, kv_usage_sample
 from pagedlm.executor import make_executor
-from pagedlm.loader.model_loader import load_tokenizer_for
+from pagedlm.loader.tokenizer import load_tokenizer_for
 from pagedlm.structured import StructuredOutputManager
 from pagedlm.worker.model_runner import ModelRunnerOutput
 from pagedlm.worker.worker import model_max_len

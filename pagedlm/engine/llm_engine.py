@@ -23,7 +23,8 @@ from pagedlm.engine.frontend import EngineFrontend, eos_token_ids
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats, KVUsageSample
 from pagedlm.executor import Executor
-from pagedlm.loader.model_loader import load_tokenizer_for, resolve_model_source
+from pagedlm.loader.model_loader import resolve_model_source
+from pagedlm.loader.tokenizer import load_tokenizer_for
 from pagedlm.lora.adapter import LoRAAdapter
 from pagedlm.lora.request import LoRARequest
 from pagedlm.outputs import RequestOutput

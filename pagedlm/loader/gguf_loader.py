@@ -6,7 +6,7 @@ costs ~3 s on SmolLM2's 49k-token vocabulary. Common quantisations (F32/F16/BF16
 Q4_0/Q4_1, Q5_0/Q5_1, the K-quants Q2_K..Q6_K) are dequantised with our vectorised numpy code
 (``layers/quant_blocks.py``); anything else ``gguf.quants.dequantize`` implements falls back to
 it. Which architectures load, and how their names and values map onto the HF checkpoints they
-came from, is ``gguf_architectures``; the tokenizer is rebuilt by ``gguf_tokenizer``.
+came from, is ``gguf_architectures``; the tokenizer is rebuilt by ``gguf_tokenizer`` (through ``tokenizer.gguf_tokenizer``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pagedlm.loader.gguf_architectures import GGUF_ARCHITECTURES, GGUFArchSpec, 
 from pagedlm.loader.gguf_format import check_dequantizable, parse_header
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+    from transformers import PretrainedConfig
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,6 @@ class GGUFCheckpoint:
             self._mmap.close()
             raise
         self.architecture: str = str(self.metadata.get("general.architecture", ""))
-        self._tokenizer: PreTrainedTokenizerFast | None = None
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -270,16 +269,3 @@ class GGUFCheckpoint:
             if spec.tensor_transform is not None:
                 tensor = spec.tensor_transform(config, name, tensor)
             yield name, tensor if dtype == torch.float32 else tensor.to(dtype)
-
-    # -- tokenizer -----------------------------------------------------------------------------
-
-    def tokenizer(self) -> PreTrainedTokenizerFast:
-        """The tokenizer described by the file's metadata (built once, then cached)."""
-        if self._tokenizer is None:
-            # Imported here: the tokenizer stack (tokenizers and transformers' tokenization
-            # classes) takes about a second to import, which processes that only read a
-            # checkpoint's config and weights (workers, --skip-tokenizer-init) never pay.
-            from pagedlm.loader.gguf_tokenizer import tokenizer_from_gguf_metadata
-
-            self._tokenizer = tokenizer_from_gguf_metadata(self.metadata)
-        return self._tokenizer

@@ -173,16 +173,3 @@ def build_model(
             f"checkpoint {source.path!r} did not fill {len(missing)} parameters: {shown}"
         )
     return model.eval()
-
-
-def load_tokenizer_for(source: ModelSource, tokenizer: str | None):
-    # Imported here: the tokenizer stack (tokenizers and transformers' tokenization classes)
-    # takes about a second to import, and worker processes import this module for
-    # `build_model` alone.
-    from pagedlm.loader.tokenizer import load_tokenizer
-
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    if source.gguf is not None:
-        return source.gguf.tokenizer()
-    return load_tokenizer(source.path)

