@@ -28,7 +28,7 @@ MAX_FUZZ_TOKENS = 8
 MAX_MODEL_LEN = 1024  # --max-model-len of the test servers (TINY_ARGS)
 GENERATING_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 
-# The request fields an output constraint can come from (serving.structured_outputs_of).
+# The request fields an output constraint can come from (request_params.structured_outputs_of).
 STRUCTURED_OUTPUT_SOURCES = ("response_format", "structured_outputs", "guided_json",
                              "guided_regex", "guided_choice", "guided_grammar")
 # Schemathesis' probes of a wrong Content-Type: for an operation without a body, the header
