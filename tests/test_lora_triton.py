@@ -88,8 +88,8 @@ def check(x, w, step, slots, dtype):
 ])
 def test_matches_reference(monkeypatch, small_blocks, in_features, slices, slots):
     if small_blocks:  # several `in` tiles, several (partial) row blocks per slice
-        monkeypatch.setattr(lt, "BLOCK_K", 16)
-        monkeypatch.setattr(lt, "BLOCK_N", 16)
+        monkeypatch.setattr(lt, "TILE_K", 16)
+        monkeypatch.setattr(lt, "TILE_N", 16)
     w, step = make_weights(in_features, slices, [8, 4, 0], 8, torch.float32)
     x = torch.randn(len(slots), in_features, generator=torch.Generator().manual_seed(1))
     check(x.to(DEVICE), w, step, slots, torch.float32)
@@ -103,8 +103,8 @@ def test_low_precision(dtype):
 
 
 def test_rank_not_power_of_two_and_strided_input(monkeypatch):
-    """R = 6 is padded to BLOCK_R = 8 under a mask; x is a column slice of a wider tensor."""
-    monkeypatch.setattr(lt, "BLOCK_K", 16)
+    """R = 6 is padded to TILE_R = 8 under a mask; x is a column slice of a wider tensor."""
+    monkeypatch.setattr(lt, "TILE_K", 16)
     w, step = make_weights(40, QKV, [6, 3, 0], 6, torch.float32)
     wide = torch.randn(5, 56, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     x = wide[:, 8:48]

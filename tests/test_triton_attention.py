@@ -546,17 +546,17 @@ unit = dict(stride_cd=1)
 plain = dict(ALIBI=False, HAS_WINDOW=False, SOFTCAP=False)
 every = dict(ALIBI=True, HAS_WINDOW=True, SOFTCAP=True)
 for dtype, prec, decode_variants in (("bf16", None, (plain, every)), ("fp32", "ieee", (plain,))):
-    build(tk._write_kv_kernel, dtype, stride_kd=1, stride_vd=1, BLOCK_SIZE=16, BLOCK_KVH=8,
+    build(tk._write_kv_kernel, dtype, stride_kd=1, stride_vd=1, BLOCK_SIZE=16, TILE_KVH=8,
           HEAD_DIM=128, **unit)
     for options in decode_variants:
-        build(td._decode_split_kernel, dtype, stride_qd=1, stride_od=1, GROUP=4, BLOCK_H=16,
-              HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_N=td.DECODE_BLOCK_N, NUM_SPLITS=4,
+        build(td._decode_split_kernel, dtype, stride_qd=1, stride_od=1, GROUP=4, TILE_H=16,
+              HEAD_DIM=128, BLOCK_SIZE=16, TILE_N=td.DECODE_TILE_N, NUM_SPLITS=4,
               UPCAST=False, DOT_PREC=prec, **options, **unit)
     build(td._decode_reduce_kernel, dtype, 1, stride_od=1, HEAD_DIM=128, NUM_SPLITS=4,
-          BLOCK_N=td.DECODE_BLOCK_N, HAS_WINDOW=dtype == "bf16")
+          TILE_N=td.DECODE_TILE_N, HAS_WINDOW=dtype == "bf16")
 for options in (plain, every):
     build(tp._prefill_kernel, "bf16", stride_qd=1, stride_od=1, GROUP=3, GROUP_PAD=4,
-          BLOCK_M=16, HEAD_DIM=128, BLOCK_SIZE=32, BLOCK_N=tp.PREFILL_BLOCK_N, UPCAST=False,
+          TILE_M=16, HEAD_DIM=128, BLOCK_SIZE=32, TILE_N=tp.PREFILL_TILE_N, UPCAST=False,
           DOT_PREC=None, **options, **unit)
 print("compiled")
 """

@@ -98,7 +98,7 @@ class TritonPagedAttention(AttentionBackend):
                 max_len, meta.num_decodes, num_kv_heads, self._sms(query.device),
                 self.min_tokens_per_split, self.max_splits,
             )
-            split_len = td.split_length(max_len, num_splits, td.DECODE_BLOCK_N)
+            split_len = td.split_length(max_len, num_splits, td.DECODE_TILE_N)
             partials = None
             if num_splits > 1:
                 partials = td.alloc_partials(

@@ -3,10 +3,10 @@
 A decode has one query token, so a batch of short requests with few kv heads gives
 too few programs to fill the GPU, and one long context is read by a single program.
 The keys a decode reads are therefore cut into NUM_SPLITS ranges of `split_len`
-tokens (a multiple of BLOCK_N), one program each:
+tokens (a multiple of TILE_N), one program each:
 
   context of request r, kv head h: seq_len 300; NUM_SPLITS 4 and split_len 128
-  were set on the host from the batch's longest context (512); BLOCK_N 64:
+  were set on the host from the batch's longest context (512); TILE_N 64:
 
   pos  0        64       128      192      256   300   384
        |--tile--|--tile--|--tile--|--tile--|--tile-|.....|
@@ -23,7 +23,7 @@ tokens (a multiple of BLOCK_N), one program each:
 
 With a sliding window of W keys the splits start at `base`, the window's first key
 rounded down to a tile (seq_len 300, W 100: base 192, key_lo 200), so blocks wholly
-before the window are skipped and the split plan only has to cover W + BLOCK_N - 1
+before the window are skipped and the split plan only has to cover W + TILE_N - 1
 keys (`decode_span`):
 
   pos  0 ... 192    200                300
@@ -34,10 +34,10 @@ keys (`decode_span`):
 With NUM_SPLITS == 1 the split program normalises and writes `out` itself.
 A row with seq_len 0 (batch padding, e.g. for a CUDA graph) gets an output of 0.
 
-The query tile is BLOCK_H rows: the GROUP query heads of the kv head, padded to
+The query tile is TILE_H rows: the GROUP query heads of the kv head, padded to
 at least 16 because tl.dot needs M >= 16 on tensor cores. The padding wastes MMA
 throughput, which decode (bandwidth-bound: each K/V byte is used GROUP times)
-does not miss. BLOCK_N = 64 keys x head_dim 128 x 2 bytes = 16 KiB per K or V tile:
+does not miss. TILE_N = 64 keys x head_dim 128 x 2 bytes = 16 KiB per K or V tile:
 large enough for wide coalesced loads from 4 blocks of 16, small enough to keep
 several pipeline stages in flight in shared memory.
 """
@@ -48,7 +48,7 @@ import triton.language as tl
 
 from pagedlm.attention.triton_kernels import LOG2_E_JIT, _attend_tiles, dot_flags, score_scales
 
-DECODE_BLOCK_N = 64
+DECODE_TILE_N = 64
 
 
 @triton.jit
@@ -60,8 +60,8 @@ def _decode_split_kernel(
     stride_cb, stride_cs, stride_ch, stride_cd,
     stride_bt,
     stride_ot, stride_oh, stride_od,
-    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    GROUP: tl.constexpr, TILE_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
     ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -71,34 +71,34 @@ def _decode_split_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     if HAS_WINDOW:
         key_lo = tl.maximum(seq_len - window, 0)  # the window's first key
-        base = key_lo // BLOCK_N * BLOCK_N
+        base = key_lo // TILE_N * TILE_N
     else:
         key_lo = 0
         base = 0
     lo = base + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)  # hi <= lo: an empty split
 
-    offs_h = tl.arange(0, BLOCK_H)
+    offs_h = tl.arange(0, TILE_H)
     offs_d = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP + offs_h  # [BLOCK_H]
+    head = kv_head * GROUP + offs_h  # [TILE_H]
     head_ok = offs_h < GROUP
     q = tl.load(
         q_ptr + req * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd,
         mask=head_ok[:, None], other=0.0,
-    )  # [BLOCK_H, HEAD_DIM]
+    )  # [TILE_H, HEAD_DIM]
     if ALIBI:
         row_slope = tl.load(alibi_slopes_ptr + head, mask=head_ok, other=0.0) * LOG2_E_JIT
     else:
-        row_slope = tl.zeros([BLOCK_H], tl.float32)  # unused
-    row_pos = tl.zeros([BLOCK_H], tl.int64) + (seq_len - 1)  # the decode token's position
-    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    row_sum = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+        row_slope = tl.zeros([TILE_H], tl.float32)  # unused
+    row_pos = tl.zeros([TILE_H], tl.int64) + (seq_len - 1)  # the decode token's position
+    row_max = tl.full([TILE_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([TILE_H], tl.float32)
+    acc = tl.zeros([TILE_H, HEAD_DIM], tl.float32)
     row_max, row_sum, acc = _attend_tiles(
         q, row_max, row_sum, acc, row_pos, row_slope,
         k_cache_ptr, v_cache_ptr, block_tables_ptr + req * stride_bt, kv_head * stride_ch,
         lo, hi, key_lo, window, qk_scale, cap_scale, stride_cb, stride_cs, stride_cd,
-        BLOCK_SIZE, BLOCK_N, HEAD_DIM, True, False, HAS_WINDOW, ALIBI, SOFTCAP,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, True, False, HAS_WINDOW, ALIBI, SOFTCAP,
         UPCAST, DOT_PREC,
     )
     if NUM_SPLITS == 1:
@@ -109,7 +109,7 @@ def _decode_split_kernel(
         tl.store(out_ptr + o_offs, (acc / row_sum[:, None]).to(out_ptr.dtype.element_ty),
                  mask=head_ok[:, None])
     else:
-        part = (req * num_heads + head) * NUM_SPLITS + split  # [BLOCK_H]
+        part = (req * num_heads + head) * NUM_SPLITS + split  # [TILE_H]
         tl.store(part_m_ptr + part, row_max, mask=head_ok)
         tl.store(part_l_ptr + part, row_sum, mask=head_ok)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
@@ -121,14 +121,14 @@ def _decode_reduce_kernel(
     part_m_ptr, part_l_ptr, part_acc_ptr, seq_lens_ptr, out_ptr,
     split_len, window, num_heads,
     stride_ot, stride_oh, stride_od,
-    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, TILE_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + req)
     if HAS_WINDOW:
-        base = tl.maximum(seq_len - window, 0) // BLOCK_N * BLOCK_N  # as in the split kernel
+        base = tl.maximum(seq_len - window, 0) // TILE_N * TILE_N  # as in the split kernel
     else:
         base = 0
     offs_s = tl.arange(0, NUM_SPLITS)
@@ -154,7 +154,7 @@ def decode_span(max_seq_len: int, sliding_window: int | None) -> int:
     context <= max_seq_len reads: what the split plan has to cover."""
     if sliding_window is None:
         return max_seq_len
-    return min(max_seq_len, sliding_window + DECODE_BLOCK_N - 1)
+    return min(max_seq_len, sliding_window + DECODE_TILE_N - 1)
 
 
 def choose_num_splits(
@@ -215,15 +215,15 @@ def paged_decode_attention(
         out, part_m, part_l, part_acc,
         qk_scale, cap_scale, split_len, window, num_heads,
         *query.stride(), *k_cache.stride(), block_tables.stride(0), *out.stride(),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS=num_splits,
+        GROUP=group, TILE_H=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size, TILE_N=DECODE_TILE_N, NUM_SPLITS=num_splits,
         ALIBI=alibi_slopes is not None, HAS_WINDOW=sliding_window is not None,
         SOFTCAP=logits_soft_cap is not None, **dot_flags(query.dtype), num_warps=4,
     )
     if num_splits > 1:
         _decode_reduce_kernel[(num_decodes, num_heads)](
             part_m, part_l, part_acc, seq_lens, out, split_len, window, num_heads,
-            *out.stride(), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_N=DECODE_BLOCK_N,
+            *out.stride(), HEAD_DIM=head_dim, NUM_SPLITS=num_splits, TILE_N=DECODE_TILE_N,
             HAS_WINDOW=sliding_window is not None, num_warps=1,
         )
 

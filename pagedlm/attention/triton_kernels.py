@@ -8,7 +8,7 @@ All kernels read the paged cache of one layer, laid out as
     k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
 
 and find position `pos` of request `r` at block `block_tables[r, pos // block_size]`,
-offset `pos % block_size`. A key tile of BLOCK_N positions may span several cache
+offset `pos % block_size`. A key tile of TILE_N positions may span several cache
 blocks; each row is looked up on its own, so a tile need not align with a block and
 the block size can be any value (each row is one contiguous head_dim vector).
 
@@ -34,6 +34,9 @@ are their block-table entries followed: the engine may have freed those blocks.
 Launch code is device-agnostic: the same calls run CUDA tensors on a GPU and CPU
 tensors under the Triton interpreter (`TRITON_INTERPRET=1` set before triton is
 imported). Launch grids come only from host integers, so nothing here syncs.
+
+Names: TILE_* are a kernel's tile sizes (rows or keys a program holds at once);
+BLOCK_SIZE is the KV cache's block size (tokens per block, reached through the block table).
 """
 
 import torch
@@ -54,13 +57,13 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_kd,  # key
     stride_vt, stride_vh, stride_vd,  # value
     stride_cb, stride_cs, stride_ch, stride_cd,  # both caches
-    BLOCK_SIZE: tl.constexpr, BLOCK_KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_KVH: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     # One program per token: its [num_kv_heads, head_dim] K and V rows are one small
     # tile each, so a whole token moves in one masked load/store pair.
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)  # int64; negative = padding, write nothing
-    offs_h = tl.arange(0, BLOCK_KVH)
+    offs_h = tl.arange(0, TILE_KVH)
     offs_d = tl.arange(0, HEAD_DIM)
     # (Folding `slot >= 0` into the head count keeps the mask a plain vector compare.)
     mask = offs_h[:, None] < tl.where(slot >= 0, num_kv_heads, 0)
@@ -94,7 +97,7 @@ def write_kv_cache(
         key, value, k_cache, v_cache, slot_mapping,
         num_kv_heads,
         *key.stride(), *value.stride(), *k_cache.stride(),
-        BLOCK_SIZE=block_size, BLOCK_KVH=triton.next_power_of_2(num_kv_heads),
+        BLOCK_SIZE=block_size, TILE_KVH=triton.next_power_of_2(num_kv_heads),
         HEAD_DIM=head_dim,
     )
 
@@ -126,13 +129,13 @@ def _attend_tiles(
     k_cache_ptr, v_cache_ptr,
     block_table_ptr,  # this request's row of block_tables
     head_offset,  # kv_head * stride_ch
-    lo, hi,  # key positions [lo, hi); lo is a multiple of BLOCK_N
+    lo, hi,  # key positions [lo, hi); lo is a multiple of TILE_N
     key_lo,  # WINDOW: keys before this are in no row's window and are never loaded
     window,  # WINDOW: row i sees keys j with i - j < window
     qk_scale,  # log2(e) * softmax scale; with SOFTCAP: softmax scale / cap
     cap_scale,  # SOFTCAP: cap * log2(e)
     stride_cb, stride_cs, stride_cd,
-    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     RANGE_MASK: tl.constexpr,  # some tiles may run past hi
     CAUSAL: tl.constexpr,  # key pos must be <= row_pos
     WINDOW: tl.constexpr,  # key pos must be > row_pos - window and >= key_lo
@@ -146,10 +149,10 @@ def _attend_tiles(
     exp2(-inf + inf). With WINDOW a tile may hide every key from some rows, so the max
     they subtract is taken as 0 while it is still -inf.
     """
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(lo, hi, BLOCK_N):
-        pos = start + offs_n  # [BLOCK_N]
+    for start in range(lo, hi, TILE_N):
+        pos = start + offs_n  # [TILE_N]
         if WINDOW:
             if RANGE_MASK:
                 load_ok = (pos >= key_lo) & (pos < hi)
@@ -161,8 +164,8 @@ def _attend_tiles(
             block = tl.load(block_table_ptr + pos // BLOCK_SIZE, mask=load_ok, other=0)
         else:
             block = tl.load(block_table_ptr + pos // BLOCK_SIZE)
-        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset  # [BLOCK_N]
-        kv_offs = rows[:, None] + offs_d[None, :] * stride_cd  # [BLOCK_N, HEAD_DIM]
+        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset  # [TILE_N]
+        kv_offs = rows[:, None] + offs_d[None, :] * stride_cd  # [TILE_N, HEAD_DIM]
         if RANGE_MASK or WINDOW:
             k = tl.load(k_cache_ptr + kv_offs, mask=load_ok[:, None], other=0.0)
             v = tl.load(v_cache_ptr + kv_offs, mask=load_ok[:, None], other=0.0)
@@ -172,7 +175,7 @@ def _attend_tiles(
         k = k.to(q.dtype)  # a cache in another dtype is read back at the query's
         v = v.to(q.dtype)
 
-        s = _mma(q, tl.trans(k), UPCAST, DOT_PREC)  # [ROWS, BLOCK_N] fp32
+        s = _mma(q, tl.trans(k), UPCAST, DOT_PREC)  # [ROWS, TILE_N] fp32
         if SOFTCAP:
             s = _tanh(s * qk_scale) * cap_scale
         else:
@@ -191,7 +194,7 @@ def _attend_tiles(
         else:
             shift = new_max
         alpha = tl.exp2(row_max - shift)  # rescales what was summed under the old max
-        p = tl.exp2(s - shift[:, None])  # [ROWS, BLOCK_N]
+        p = tl.exp2(s - shift[:, None])  # [ROWS, TILE_N]
         row_sum = row_sum * alpha + tl.sum(p, 1)
         # P is rounded to the value dtype for the tensor-core dot, as FlashAttention does.
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, UPCAST, DOT_PREC)
