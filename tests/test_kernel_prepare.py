@@ -57,8 +57,10 @@ def test_unbuilt_kernels_are_found_and_built_together(tmp_path, monkeypatch, cap
 
 def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch):
     calls = []
-    monkeypatch.setattr(csrc, "prepare_cpu_kernels", lambda: calls.append("prepared"))
     from pagedlm import LLM
+    from pagedlm.worker import worker
+
+    monkeypatch.setattr(worker, "prepare_cpu_kernels", lambda: calls.append("prepared"))
 
     LLM(tiny_llama_dir, skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=128)
     assert calls == ["prepared"]
