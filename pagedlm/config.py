@@ -206,13 +206,3 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}) when chunked prefill is disabled"
             )
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    block_size: int
-    num_blocks: int
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.block_size * self.num_blocks

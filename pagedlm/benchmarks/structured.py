@@ -65,11 +65,13 @@ def run(engine: LLMEngine, requests, lengths: list[int] | None) -> dict:
 
     ModelRunner._apply_grammar = staticmethod(timed)
     try:
+        index_of: dict[str, int] = {}  # request id -> position in `requests`
         for i, r in enumerate(requests):
             structured = StructuredOutputsParams(json=SCHEMA) if constrained else None
             params = SamplingParams(temperature=1.0, top_p=1.0, ignore_eos=True, seed=i,
                                     max_tokens=r.output_len if constrained else lengths[i],
                                     structured_outputs=structured)
+            index_of[f"{int(constrained)}-{i}"] = i
             engine.add_request(f"{int(constrained)}-{i}", None, params,
                                prompt_token_ids=list(r.prompt_token_ids),
                                output_kind=RequestOutputKind.FINAL_ONLY)
@@ -81,7 +83,7 @@ def run(engine: LLMEngine, requests, lengths: list[int] | None) -> dict:
             for out in engine.step():
                 c = out.outputs[0]
                 num_tokens += len(c.token_ids)
-                produced[int(out.request_id.split("-")[1])] = len(c.token_ids)
+                produced[index_of[out.request_id]] = len(c.token_ids)
                 finished_by_grammar += c.finish_reason == "stop"
                 if constrained and c.finish_reason == "stop":
                     json.loads(c.text)  # every finished output is a document
