@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.loader import model_loader
+from pagedlm.loader import model_loader, model_paths
 from tests.server.conftest import tiny_model_dir  # noqa: F401 - the fixture
 
 MAIN = "a" * 40
@@ -29,9 +29,9 @@ def hub_cache(tmp_path, tiny_model_dir, monkeypatch):  # noqa: F811
     (repo / "snapshots" / V2 / "notes.bin").write_bytes(b"never read")
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    model_loader.hub_snapshot.cache_clear()
+    model_paths.hub_snapshot.cache_clear()
     yield repo
-    model_loader.hub_snapshot.cache_clear()
+    model_paths.hub_snapshot.cache_clear()
 
 
 def test_a_repo_id_loads_its_cached_snapshot(hub_cache, tiny_model_dir):  # noqa: F811

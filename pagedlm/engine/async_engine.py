@@ -38,6 +38,7 @@ from pagedlm.engine.core_client import (
     LoRACommand,
     ThreadCoreClient,
 )
+from pagedlm.engine.core_launch import CoreLaunch, launch_core
 from pagedlm.engine.core_process import ProcessCoreClient
 from pagedlm.engine.dashboard import DashboardSnapshot
 from pagedlm.engine.frontend import EngineFrontend
@@ -109,15 +110,21 @@ class AsyncLLMEngine:
         self._refusal: RequestFailedError | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs,
-                         max_num_queued_requests: int | None = None) -> AsyncLLMEngine:
-        """Start the core in its own process (it loads the model while this process loads
-        the tokenizer) and build the frontend for it."""
+    def from_engine_args(cls, args: EngineArgs, max_num_queued_requests: int | None = None,
+                         launch: CoreLaunch | None = None) -> AsyncLLMEngine:
+        """Start the core in its own process (or take over `launch`, one started already
+        for `args`), load the tokenizer here meanwhile, and build the frontend for it."""
         if max_num_queued_requests is not None and max_num_queued_requests < 1:
             raise ValueError(
                 f"max_num_queued_requests must be >= 1, got {max_num_queued_requests}")
-        source, tokenizer, eos_ids = load_frontend_parts(args)
-        client = ProcessCoreClient(args, eos_ids, max_num_queued_requests)
+        if launch is None:
+            launch = launch_core(args, max_num_queued_requests)
+        try:
+            source, tokenizer, eos_ids = load_frontend_parts(args)
+        except BaseException:
+            launch.abandon()
+            raise
+        client = ProcessCoreClient(args, eos_ids, max_num_queued_requests, launch)
         frontend = EngineFrontend(tokenizer, client.info, args.seed)
         return cls(None, max_num_queued_requests, _client=client, _frontend=frontend,
                    _model_path=str(source.path))

@@ -1,7 +1,7 @@
 """The engine core in a process of its own, so that HTTP, tokenisation and
-detokenisation never hold the core's GIL: ProcessCoreClient (this process's side) and
-core_process_main (the core process's). The core loop and its commands and messages are
-engine/core_client.py's.
+detokenisation never hold the core's GIL: ProcessCoreClient, the frontend's side. The
+process is started by engine/core_launch.py and runs engine/core_main.py; the core loop
+and its commands and messages are engine/core_client.py's.
 
     frontend (event loop)                           core process
     ---------------------                           ------------------------------------------
@@ -18,23 +18,18 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
-import os
 import queue
-import signal
 import threading
 import time
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_client import (
     CoreMessage,
     MessageHandler,
     ShutdownCommand,
     drain,
-    run_core_loop,
 )
-from pagedlm.executor.worker_proc import die_with_parent
-from pagedlm.loader.model_loader import resolve_model_source
+from pagedlm.engine.core_launch import CoreLaunch, launch_core
 
 logger = logging.getLogger(__name__)
 
@@ -50,15 +45,17 @@ class ProcessCoreClient:
     Raises ValueError for bad engine arguments (as the in-process engine would)."""
 
     def __init__(self, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                 max_num_queued_requests: int | None = None) -> None:
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=core_process_main, name="pagedlm-engine-core",
-            args=(child_conn, args, eos_token_ids, max_num_queued_requests,
-                  (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())))
-        self.process.start()
-        child_conn.close()
+                 max_num_queued_requests: int | None = None,
+                 launch: CoreLaunch | None = None) -> None:
+        """`launch`: a core process already started for `args` (engine/core_launch.py),
+        taken over here; by default one is started now."""
+        if launch is None:
+            launch = launch_core(args, max_num_queued_requests)
+        self.process, self._conn = launch.process, launch.conn
+        try:
+            self._conn.send(tuple(eos_token_ids))  # what the core waits for to load
+        except OSError:
+            pass  # it died already: the recv below says so
         try:
             ready = self._conn.recv()
         except EOFError:
@@ -155,48 +152,3 @@ class ProcessCoreClient:
             self.process.kill()
             self._wait_exit(5)
         self._conn.close()
-
-
-def core_process_main(conn, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                      max_num_queued_requests: int | None,
-                      log_levels: tuple[int, int] = (logging.WARNING, logging.INFO)) -> None:
-    """The core process: load, report ready, loop until shut down or orphaned."""
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the frontend, which stops us
-    # The parent's --log-level: a spawned process starts with logging unconfigured.
-    root_level, pagedlm_level = log_levels
-    logging.basicConfig(level=root_level, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("pagedlm").setLevel(pagedlm_level)
-    try:
-        core = EngineCore(args, resolve_model_source(args.model, args.revision),
-                          eos_token_ids)
-    except BaseException as e:
-        logger.exception("the engine core failed to start")
-        conn.send(("error", type(e).__name__, str(e)))
-        conn.close()
-        return
-    conn.send(("ready", core.info, core.get_stats()))
-
-    def recv(block: bool) -> list:
-        commands: list = []
-        if block or conn.poll(0):
-            commands.extend(conn.recv())
-        while conn.poll(0):
-            commands.extend(conn.recv())
-        return commands
-
-    try:
-        run_core_loop(core, recv, conn.send, max_num_queued_requests)
-    except (EOFError, BrokenPipeError, ConnectionResetError):
-        logger.warning("the frontend went away: the engine core stops")
-    except BaseException as e:
-        logger.exception("the engine core stopped on an error")
-        try:
-            # The traceback is in this process's log; clients get the error alone.
-            conn.send(CoreMessage(dead=f"{type(e).__name__}: {e}"))
-        except OSError:
-            pass
-        core.shutdown()
-        os._exit(1)
-    core.shutdown()
-    conn.close()

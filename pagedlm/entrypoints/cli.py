@@ -9,6 +9,8 @@ import os
 import sys
 
 from pagedlm.benchmarks.cli import add_bench_parser
+from pagedlm.config import EngineArgs
+from pagedlm.engine.core_launch import launch_core
 from pagedlm.entrypoints.cli_args import (
     add_engine_args,
     add_sampling_args,
@@ -20,6 +22,7 @@ from pagedlm.entrypoints.openai import (
     DEFAULT_MAX_REQUEST_BODY_SIZE,
     DEFAULT_MAX_TOKENS,
     DEFAULT_SHUTDOWN_TIMEOUT_S,
+    check_port_free,
 )
 from pagedlm.entrypoints.openai.tool_parsers.formats import TOOL_CALL_FORMATS
 
@@ -97,9 +100,6 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    # deferred: the server loads FastAPI and the engine; building the parser must not
-    from pagedlm.entrypoints.openai.api_server import run_server
-
     if args.log_level is None:
         logging.getLogger("pagedlm").setLevel(logging.INFO)
     if args.max_num_queued_requests < 1:
@@ -110,7 +110,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-tokens-default must be >= 1, got {args.max_tokens_default}")
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-    return run_server(args, engine_kwargs(args))
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    kwargs = engine_kwargs(args)
+    if args.enable_prefix_caching is not None:
+        kwargs["enable_prefix_caching"] = args.enable_prefix_caching
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
+    # The engine core's process starts now (fetching the model first if need be): its
+    # imports and model load run while this process imports the server and loads the
+    # tokenizer, instead of after.
+    launch = launch_core(EngineArgs(**kwargs), args.max_num_queued_requests)
+    try:
+        # deferred: the server loads FastAPI and the engine; building the parser must not
+        from pagedlm.entrypoints.openai.api_server import run_server
+
+        return run_server(args, kwargs, launch)
+    finally:
+        launch.abandon()  # if the server never took it over (it stops it otherwise)
 
 
 def cmd_top(args: argparse.Namespace) -> int:

@@ -7,18 +7,16 @@ Whatever the source, every parameter must be filled and every shape must match.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
-from pagedlm.loader import ollama
 from pagedlm.loader.dummy import init_dummy_weights
-from pagedlm.loader.gguf_loader import GGUFCheckpoint, default_model_path
+from pagedlm.loader.gguf_loader import GGUFCheckpoint
+from pagedlm.loader.model_paths import local_model_path
 from pagedlm.loader.safetensors_loader import count_safetensors, iterate_safetensors
 from pagedlm.models.registry import resolve_model_class
 from pagedlm.models.remote_configs import remote_config_from_dict
@@ -34,57 +32,12 @@ class ModelSource:
     gguf: object | None = None  # the opened GGUFCheckpoint, reused for weights and tokenizer
 
 
-# A Hugging Face repo id: "org/name" (what people type), not a path that exists here.
-_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-# What the engine reads from a repo: weights, configs, tokenizer, chat template. Never
-# pickled *.bin/*.pt, never a repo's other GGUF quantisations or images.
-HUB_FILES = ["*.json", "*.safetensors", "tokenizer.model", "spiece.model", "*.tiktoken",
-             "*.jinja", "*.txt"]
-
-
-@functools.lru_cache(maxsize=16)
-def hub_snapshot(repo_id: str, revision: str | None = None) -> str:
-    """The local snapshot of a Hugging Face model repo (only HUB_FILES), through
-    huggingface_hub: its cache (HF_HOME), HF_TOKEN, and offline mode (HF_HUB_OFFLINE=1:
-    the cache only). ValueError, naming the fix, when it cannot be had."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
-
-    what = repo_id + (f" (revision {revision})" if revision else "")
-    try:
-        return snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILES)
-    except GatedRepoError:
-        raise ValueError(f"model {what} is gated on the Hugging Face hub: accept its terms on "
-                         f"huggingface.co and set HF_TOKEN") from None
-    except RepositoryNotFoundError:
-        raise ValueError(f"model {what}: no such repository on the Hugging Face hub (or it is "
-                         f"private: set HF_TOKEN)") from None
-    except RevisionNotFoundError:
-        raise ValueError(f"model {repo_id}: no revision {revision!r} on the Hugging Face "
-                         f"hub") from None
-    except LocalEntryNotFoundError:
-        raise ValueError(
-            f"model {what} is not in the Hugging Face cache and the hub cannot be reached "
-            f"(offline, or HF_HUB_OFFLINE=1); on a connected machine run `huggingface-cli "
-            f"download {repo_id}` with the same HF_HOME, or pass a local directory") from None
-
-
 def resolve_model_source(model: str | None, revision: str | None = None) -> ModelSource:
     """A local HF directory, a .gguf file, a Hugging Face repo id ("org/name", at
     `revision`), a model Ollama pulled ("ollama:NAME[:TAG]"), or None for the embedded
     default model."""
-    path = model if model is not None else default_model_path()
-    if path.startswith(ollama.PREFIX):  # a GGUF blob in Ollama's store: no .gguf suffix
-        checkpoint = GGUFCheckpoint(ollama.resolve(path))
-        return ModelSource(checkpoint.path, "gguf", checkpoint.config, checkpoint)
-    if not os.path.exists(path) and _REPO_ID.match(path):
-        path = hub_snapshot(path, revision)
-    if os.path.isfile(path) and path.endswith(".gguf"):
+    path = local_model_path(model, revision)
+    if os.path.isfile(path) and (path.endswith(".gguf") or _has_gguf_magic(path)):
         checkpoint = GGUFCheckpoint(path)
         return ModelSource(path, "gguf", checkpoint.config, checkpoint)
     if os.path.isdir(path):
@@ -113,6 +66,12 @@ def resolve_model_source(model: str | None, revision: str | None = None) -> Mode
         f"model {path!r} not found: not a file or directory here, nor a Hugging Face repo id "
         f"(org/name)"
     )
+
+
+def _has_gguf_magic(path: str) -> bool:
+    """Whether a file starts as GGUF files do (Ollama's blobs have no .gguf suffix)."""
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def _remote_config(raw: dict, error: Exception):

@@ -114,3 +114,60 @@ def test_a_busy_port_is_an_error_before_the_model_loads(tiny_model_dir):
     assert done.returncode == 2, done.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in done.stderr and "--port" in done.stderr
     assert "KV blocks" not in done.stderr  # nothing was loaded
+
+
+def _processes_marked(mark: str) -> list:
+    """Live processes whose environment carries PAGEDLM_TEST_MARK=mark (a server started
+    with it, and every process it started: they inherit it, orphans included)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PAGEDLM_TEST_MARK") == mark and proc.status() != "zombie":
+                found.append(proc)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.parametrize("case", ["no tokenizer", "bad --lora-modules"])
+def test_an_error_after_the_core_started_stops_it(case, tiny_llama_dir):
+    """`pagedlm serve` starts the core's process before it loads the tokenizer and the
+    server: an error there is one line, exit status 2, and the core goes with it."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+
+    mark = uuid.uuid4().hex
+    extra = {"no tokenizer": [],
+             "bad --lora-modules": ["--skip-tokenizer-init", "--enable-lora",
+                                    "--lora-modules", "no-equals-sign"]}[case]
+    done = subprocess.run(
+        [sys.executable, "-m", "pagedlm.entrypoints.cli", "serve", tiny_llama_dir,
+         *TINY_ARGS, *extra, "--host", "127.0.0.1", "--port", "0"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PAGEDLM_TEST_MARK": mark})
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    expected = {"no tokenizer": "error: No tokenizer files in",
+                "bad --lora-modules": "error: --lora-modules entries are name=path"}[case]
+    assert last.startswith(expected), done.stderr
+    assert "Traceback" not in done.stderr and "did not stop" not in done.stderr
+    deadline = time.monotonic() + 10
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _processes_marked(mark) == []
+
+
+def test_serve_starts_the_core_before_its_heavy_imports() -> None:
+    """`pagedlm serve` starts the engine core's process from the CLI module and
+    engine/core_launch.py before importing the server: neither may import torch,
+    transformers or FastAPI, or the core would start only after them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, pagedlm.entrypoints.cli, pagedlm.engine.core_launch; "
+            "print(sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True)
+    assert done.stdout.strip() == "[]", done.stdout

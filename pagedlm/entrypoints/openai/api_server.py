@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import ipaddress
 import logging
 import os
 import re
-import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -26,6 +24,7 @@ from starlette.responses import Response
 import pagedlm
 from pagedlm.config import EngineArgs
 from pagedlm.engine.async_engine import AsyncLLMEngine
+from pagedlm.engine.core_launch import CoreLaunch
 from pagedlm.entrypoints.openai import DEFAULT_MAX_REQUEST_BODY_SIZE, DEFAULT_MAX_TOKENS
 from pagedlm.entrypoints.openai.dashboard import DashboardHub, add_dashboard_routes
 from pagedlm.entrypoints.openai.errors import (
@@ -214,38 +213,19 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def check_port_free(host: str, port: int) -> None:
-    """ValueError naming the port if the server could not listen on it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}): is another "
-                             f"server running there? Choose another with --port") from None
-
-
-def run_server(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    """Load the engine, then serve until interrupted."""
+def run_server(args: argparse.Namespace, engine_kwargs: dict,
+               launch: CoreLaunch | None = None) -> int:
+    """Load the engine (taking over `launch`, its core process if already started), then
+    serve until interrupted."""
     import uvicorn
 
-    known = {f.name for f in dataclasses.fields(EngineArgs)}
-    if args.enable_prefix_caching is not None:
-        if "enable_prefix_caching" in known:
-            engine_kwargs["enable_prefix_caching"] = args.enable_prefix_caching
-        else:
-            logger.warning("--[no-]enable-prefix-caching: this engine has no prefix caching; "
-                           "ignored")
     if not args.api_key and not _is_loopback(args.host):
         logger.warning("listening on %s without --api-key: anyone who can reach this address "
                        "can use the model", args.host)
     lora_modules = parse_lora_modules(args.lora_modules or [])
-    if lora_modules and not engine_kwargs.get("enable_lora"):
-        raise ValueError("--lora-modules needs --enable-lora")
-    check_port_free(args.host, args.port)  # before minutes of loading, not after
     engine = AsyncLLMEngine.from_engine_args(
-        EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests)
+        EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests,
+        launch=launch)
     # The core's compute threads come first on a machine with fewer cores than threads:
     # the frontend (this thread and the threads it starts from here on) yields to them.
     nice = int(os.environ.get("PAGEDLM_FRONTEND_NICE", str(FRONTEND_NICE)))

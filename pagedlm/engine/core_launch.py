@@ -1,0 +1,62 @@
+"""Starting the engine core's process, from a module light enough to import first.
+
+`pagedlm serve` starts the core before it imports the server (FastAPI, the engine's
+frontend, the tokenizer): the core's imports and model load then run beside the
+frontend's instead of after them. The core waits for one message before it loads: the
+EOS token ids, which the frontend knows once its tokenizer is loaded (ProcessCoreClient
+sends them and takes the launch over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import multiprocessing.connection
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+from pagedlm.config import EngineArgs
+from pagedlm.loader.model_paths import local_model_path
+
+
+@dataclass
+class CoreLaunch:
+    """A core process started and not yet ready: its process and this side's pipe end."""
+
+    process: BaseProcess
+    conn: multiprocessing.connection.Connection
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Let the process go (the frontend failed before taking it over, or has shut it
+        down): its pipe closes, and it exits when it next reads from it, which it does as
+        soon as its imports (or a first start's kernel build) are done. Waits up to
+        `timeout` for that; never kills it mid-build, which would leave the build's lock
+        behind for the next start (it dies with this process anyway). Idempotent."""
+        self.conn.close()
+        self.process.join(timeout)
+
+
+def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) -> CoreLaunch:
+    """Start the engine core's process for `args`. The model is fetched first, here, if it
+    must be (the embedded default on first use, a repo id not in the hub's cache), so that
+    the frontend, which resolves it too, never races the core to download it. Returns once
+    the process is started."""
+    args = dataclasses.replace(args, model=local_model_path(args.model, args.revision))
+    ctx = multiprocessing.get_context("spawn")
+    conn, child_conn = ctx.Pipe(duplex=True)
+    log_levels = (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())
+    process = ctx.Process(target=_core_entry, name="pagedlm-engine-core",
+                          args=(child_conn, args, max_num_queued_requests, log_levels))
+    process.start()
+    child_conn.close()
+    return CoreLaunch(process, conn)
+
+
+def _core_entry(conn, args: EngineArgs, max_num_queued_requests: int | None,
+                log_levels: tuple[int, int]) -> None:
+    # The core's imports (torch, the models, the loader) happen here, in the child: the
+    # parent imports this module without them.
+    from pagedlm.engine.core_main import core_process_main
+
+    core_process_main(conn, args, max_num_queued_requests, log_levels)
