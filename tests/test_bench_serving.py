@@ -108,6 +108,8 @@ def test_serving_random_token_ids(server_url: str, tiny_smol_dir: str, tmp_path:
     assert m["itl_ms"]["count"] >= 6
     assert 0 < m["ttft_ms"]["median"] <= m["e2el_ms"]["median"]
     assert m["request_throughput"] > 0 and m["output_throughput"] > 0
+    # CPU seconds of the client during the run: some, and no more than two cores give
+    assert 0 < m["client_cpu_s"] <= 2 * m["duration_s"] + 0.1
 
 
 def test_serving_sharegpt_text_prompts_burst(server_url: str, tiny_smol_dir: str,

@@ -91,6 +91,8 @@ def format_report(metrics: dict[str, Any]) -> str:
         f"{'Output token throughput (tok/s):':<36}{metrics['output_throughput']:>12.2f}",
         f"{'Total token throughput (tok/s):':<36}{metrics['total_token_throughput']:>12.2f}",
     ]
+    if "client_cpu_s" in metrics:
+        lines.append(f"{'Client CPU during the run (s):':<36}{metrics['client_cpu_s']:>12.2f}")
     names = {"ttft_ms": "Time to first token", "tpot_ms": "Time per output token",
              "itl_ms": "Inter-token latency", "e2el_ms": "End-to-end latency"}
     for key, title in names.items():
@@ -105,7 +107,9 @@ def format_report(metrics: dict[str, Any]) -> str:
 
 
 async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
-                     ) -> tuple[str, list[RequestRecord], float]:
+                     ) -> tuple[str, list[RequestRecord], float, float]:
+    """The model's name, the records, the run's wall time and this client's CPU seconds
+    during it (what it took from the server on a shared machine)."""
     model = args.model or (await list_models(args.base_url, args.api_key))[0]
     async with CompletionsClient(args.base_url, model, api_key=args.api_key,
                                  ignore_eos=args.ignore_eos, temperature=args.temperature,
@@ -121,6 +125,7 @@ async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
         if not args.disable_tqdm:
             bar = tqdm(total=len(requests), desc="Requests")
         offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+        cpu_start = time.process_time()
         try:
             records, duration = await run_requests(
                 client.send, requests, offsets, args.max_concurrency,
@@ -128,7 +133,8 @@ async def _benchmark(args: argparse.Namespace, requests: list[SampleRequest]
         finally:
             if bar is not None:
                 bar.close()
-    return model, records, duration
+        client_cpu_s = time.process_time() - cpu_start
+    return model, records, duration, client_cpu_s
 
 
 def _tokenizer(path: str | None) -> Any:
@@ -143,8 +149,9 @@ def main(args: argparse.Namespace) -> int:
     server = read_json(args.server_info) if args.server_info else None
     tokenizer = _tokenizer(args.tokenizer)
     requests = build_requests(args, tokenizer, len(tokenizer))
-    model, records, duration = asyncio.run(_benchmark(args, requests))
+    model, records, duration, client_cpu_s = asyncio.run(_benchmark(args, requests))
     metrics = compute_serving_metrics(records, duration, args.percentiles)
+    metrics["client_cpu_s"] = client_cpu_s
     print(format_report(metrics))
     report = result_header(
         "serving", model=model, dtype=args.dtype, dataset=args.dataset, num_prompts=len(requests),
