@@ -30,15 +30,19 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
 
 
-def _cpu_tag() -> str:
-    """A short hash of the CPU's feature flags: the libraries are built with -march=native,
-    so a cache directory shared between different machines must not mix their builds."""
+@functools.cache
+def _build_tag() -> str:
+    """A short hash of the CPU's feature flags and of this directory's path. The libraries
+    are built with -march=native, so a cache shared between machines must not mix their
+    builds; and torch's builder keys a build by its name alone, so sources in another
+    directory (a second checkout) under the same name would rebuild it on every switch,
+    silently, where a name of their own is built once, announced."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             flags = next((line for line in f if line.startswith("flags")), "")
     except OSError:
         flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:8]
+    return hashlib.sha256(f"{flags}\0{CSRC_DIR}".encode()).hexdigest()[:8]
 
 
 # Kernel files llama_decode_cpu.cpp #includes: no module of their own, the decoder's
@@ -125,7 +129,7 @@ def _clear_stale_lock(stem: str) -> None:
 
 
 def extension_name(stem: str) -> str:
-    return f"pagedlm_{stem}_{_cpu_tag()}"
+    return f"pagedlm_{stem}_{_build_tag()}"
 
 
 def _built_library(stem: str) -> Path:
