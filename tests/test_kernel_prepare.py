@@ -86,3 +86,20 @@ def test_a_killed_build_leaves_no_lock_to_wait_on_forever(tmp_path, monkeypatch,
         csrc._clear_stale_lock("sampler_cpu")
     assert not lock.exists() and "removing the stale build lock" in caplog.text
     csrc._clear_stale_lock("sampler_cpu")  # no lock: nothing to say or do
+
+
+def test_a_second_checkout_gets_kernel_names_of_its_own(tmp_path, monkeypatch):
+    """torch's builder keys a build by its name alone: sources in another directory under
+    the same name would rebuild it silently on every switch, so the name carries the
+    directory (and the CPU's flags)."""
+    here = csrc.extension_name("sampler_cpu")
+    assert here == csrc.extension_name("sampler_cpu")  # stable within a checkout
+    monkeypatch.setattr(csrc, "CSRC_DIR", tmp_path)
+    csrc._build_tag.cache_clear()
+    try:
+        elsewhere = csrc.extension_name("sampler_cpu")
+    finally:
+        monkeypatch.undo()
+        csrc._build_tag.cache_clear()
+    assert elsewhere != here and elsewhere.startswith("pagedlm_sampler_cpu_")
+    assert csrc.extension_name("sampler_cpu") == here
