@@ -67,25 +67,40 @@ def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch
 
 
 def test_a_killed_build_leaves_no_lock_to_wait_on_forever(tmp_path, monkeypatch, caplog):
-    """torch's builder waits, silently and forever, on a lock file its killed predecessor
-    left: an old one is removed (and said), a fresh one is another build (said too)."""
-    import os
-    import time
+    """torch's builder waits, silently and forever, on the lock file a killed builder left.
+    Builds take an flock of ours first, which the kernel releases when its holder dies:
+    one held means a build is running (said, and waited for); none held means torch's file
+    is stale (removed, and said)."""
+    import fcntl
+    import threading
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    lock = csrc._built_library("sampler_cpu").parent / "lock"
-    lock.parent.mkdir(parents=True)
-    lock.touch()
+    folder = csrc._built_library("sampler_cpu").parent
+    folder.mkdir(parents=True)
+    (folder / "lock").touch()  # what a builder killed inside torch's load() leaves
     with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
-        csrc._clear_stale_lock("sampler_cpu")
-    assert lock.exists() and "waiting for another process building the sampler_cpu" in caplog.text
-    old = time.time() - csrc.STALE_LOCK_S - 60
-    os.utime(lock, (old, old))
+        with csrc._build_lock("sampler_cpu"):
+            assert not (folder / "lock").exists()
+    assert "removing the build lock" in caplog.text
+
+    # Another builder holds the flock: this one says so and waits until it lets go.
     caplog.clear()
+    holder = open(folder / "pagedlm.flock", "a")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    entered = threading.Event()
+
+    def build():
+        with csrc._build_lock("sampler_cpu"):
+            entered.set()
+
     with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
-        csrc._clear_stale_lock("sampler_cpu")
-    assert not lock.exists() and "removing the stale build lock" in caplog.text
-    csrc._clear_stale_lock("sampler_cpu")  # no lock: nothing to say or do
+        thread = threading.Thread(target=build)
+        thread.start()
+        assert not entered.wait(1.0)
+        assert "waiting for another process building the sampler_cpu" in caplog.text
+        holder.close()  # as the holder's death would: the kernel drops its flock
+        thread.join(30)
+    assert entered.is_set()
 
 
 def test_a_second_checkout_gets_kernel_names_of_its_own(tmp_path, monkeypatch):

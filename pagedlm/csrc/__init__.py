@@ -11,6 +11,7 @@ with a warning that says why. ``PAGEDLM_DISABLE_CPU_KERNELS=1`` turns every kern
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -85,47 +86,49 @@ def load_extension(stem: str) -> ModuleType | None:
     if prebuilt is not None:
         return _import_library(extension_name(stem), prebuilt)
     source = CSRC_DIR / f"{stem}.cpp"
-    _clear_stale_lock(stem)
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name=extension_name(stem),
-            sources=[str(source)],
-            # Copies: torch appends its own flags to the lists it is given, and the grown
-            # lists would change the next kernel's build file, relinking it for nothing.
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            verbose=False,
-        )
+        with _build_lock(stem):
+            return load(
+                name=extension_name(stem),
+                sources=[str(source)],
+                # Copies: torch appends its own flags to the lists it is given, and the
+                # grown lists would change the next kernel's build file, relinking it for
+                # nothing.
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                verbose=False,
+            )
     except Exception as e:  # no compiler, no ninja, a read-only cache, ...
         logger.warning("CPU kernels %s unavailable (%s: %s); using the torch path", stem,
                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
 
 
-# A build takes a minute or two; torch's builder holds a lock file meanwhile and every
-# other process waits for it, silently and forever if the builder was killed mid-build.
-STALE_LOCK_S = 15 * 60
+@contextlib.contextmanager
+def _build_lock(stem: str):
+    """Hold this kernel's build lock (an flock on a file beside its build): one process
+    builds it at a time, and the kernel releases the lock of a process that dies, however
+    it dies. torch's builder has a lock of its own, a file it creates and deletes, that a
+    builder killed mid-build leaves behind for every later build to wait on, silently and
+    forever; under this lock no other build can be running, so such a file is stale and
+    is removed (and said)."""
+    import fcntl
 
-
-def _clear_stale_lock(stem: str) -> None:
-    """Remove a build lock no build can still hold (older than STALE_LOCK_S: its builder
-    was killed), and say so; a fresh one means another process is building: say that."""
-    import time
-
-    lock = _built_library(stem).parent / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return  # no lock: nobody is building
-    if age > STALE_LOCK_S:
-        logger.warning("removing the stale build lock %s (%.0f min old: its build was "
-                       "killed)", lock, age / 60)
-        lock.unlink(missing_ok=True)
-    else:
-        logger.warning("waiting for another process building the %s kernel (lock %s, %.0f s "
-                       "old; if no pagedlm is running, delete it)", stem, lock, age)
+    folder = _built_library(stem).parent
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "pagedlm.flock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another process building the %s kernel", stem)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        torch_lock = folder / "lock"
+        if torch_lock.exists():
+            logger.warning("removing the build lock %s that a killed build left", torch_lock)
+            torch_lock.unlink(missing_ok=True)
+        yield
 
 
 def extension_name(stem: str) -> str:

@@ -9,7 +9,6 @@ sends them and takes the launch over).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -38,11 +37,12 @@ class CoreLaunch:
 
 
 def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) -> CoreLaunch:
-    """Start the engine core's process for `args`. The model is fetched first, here, if it
-    must be (the embedded default on first use, a repo id not in the hub's cache), so that
-    the frontend, which resolves it too, never races the core to download it. Returns once
-    the process is started."""
-    args = dataclasses.replace(args, model=local_model_path(args.model, args.revision))
+    """Start the engine core's process for `args`, then fetch the model here if it must be
+    (the embedded default on first use, a repo id not in the hub's cache). The process
+    imports and builds the CPU kernels meanwhile (a first start's longest step); it
+    resolves the model only once the frontend's EOS ids arrive, after the frontend has
+    resolved it too (its tokenizer), so the two never race to download it. Returns once
+    the process is started and the model is here; a failed fetch stops the process."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe(duplex=True)
     log_levels = (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())
@@ -50,7 +50,13 @@ def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) ->
                           args=(child_conn, args, max_num_queued_requests, log_levels))
     process.start()
     child_conn.close()
-    return CoreLaunch(process, conn)
+    launch = CoreLaunch(process, conn)
+    try:
+        local_model_path(args.model, args.revision)
+    except BaseException:
+        launch.abandon()
+        raise
+    return launch
 
 
 def _core_entry(conn, args: EngineArgs, max_num_queued_requests: int | None,
