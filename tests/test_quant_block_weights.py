@@ -156,6 +156,33 @@ def test_kernel_threads_give_identical_results():
     torch.testing.assert_close(one, two, rtol=0, atol=0)  # a row's sum never splits
 
 
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return " avx512f" in next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+
+
+@requires_kernel
+@pytest.mark.skipif(not _has_avx512(), reason="the 16-lane path needs AVX-512 (8-lane tiles "
+                    "split a row's sums by the tile's height)")
+@pytest.mark.parametrize("ggml_type", [Q4_1, Q8_0])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(ggml_type):
+    """A speculative verification runs a request's k + 1 rows where plain decoding runs
+    one, and a batch puts other requests' rows beside it: each row must come out the same
+    bits whatever the tile's height, so that speculation changes no token."""
+    rng = np.random.default_rng(7)
+    blocks = recover_blocks(_synthetic(ggml_type, rng.standard_normal((300, 576)) * 0.05),
+                            ggml_type)
+    gemv = _gemv(ggml_type)
+    x = torch.from_numpy(rng.standard_normal((17, 576)).astype(np.float32))
+    alone = torch.cat([gemv(x[i:i + 1].contiguous(), blocks, None) for i in range(17)])
+    for m in range(2, 18):
+        torch.testing.assert_close(gemv(x[:m].contiguous(), blocks, None), alone[:m],
+                                   rtol=0, atol=0)
+
+
 @requires_kernel
 def test_matmul_dispatches_by_rows():
     rng = np.random.default_rng(4)
