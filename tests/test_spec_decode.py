@@ -138,6 +138,18 @@ def test_back_off_per_request_and_per_batch():
     stats = proposer.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 11, 1)
     assert stats.accepted_per_pos[0] == 1
+    # Some of more accepted: next time at most those and one.
+    long = _request([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], "long")
+    proposer.propose([long])
+    assert long.spec_token_ids == [3, 4, 5, 6]  # all 4 (NGRAM's k) to start with
+    proposer.record({"long": [3, 4, 5, 6]}, {"long": [3]})
+    long.spec_token_ids = []
+    proposer.propose([long])
+    assert long.spec_token_ids == [3, 4]
+    proposer.record({"long": [3, 4]}, {"long": [3, 4]})  # all accepted: one more again
+    long.spec_token_ids = []
+    proposer.propose([long])
+    assert long.spec_token_ids == [3, 4, 5]
     # More decoding sequences than disable_by_batch_size: no drafts for anyone.
     small = NgramProposer(SpeculativeConfig(**{**NGRAM, "disable_by_batch_size": 1}), 8)
     a, b = _request(tokens, "a"), _request(tokens, "b")

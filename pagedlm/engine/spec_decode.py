@@ -14,7 +14,8 @@ costs O(1), whatever the context length.
 
 Backing off, so that speculation never costs more than it saves:
   * per sequence, the number of drafts adapts to what was accepted: all accepted, one
-    more next time (up to num_speculative_tokens); none, one fewer; at zero the sequence
+    more next time (up to num_speculative_tokens); n of more accepted, at most n + 1
+    next time; none, one fewer; at zero the sequence
     rests for a while (8 steps, doubling each time) before it tries one draft again, and
     gives up for good rather than rest longer than 256 steps (16 for a draft model, whose
     every try costs it a catch-up forward over what it missed);
@@ -107,7 +108,12 @@ class Proposer:
             if n == len(drafts):
                 state.num_drafts = min(self.k, state.num_drafts + 1)
                 state.rest_length = REST_STEPS
-            elif n == 0:
+            elif n > 0:
+                # Some accepted: next time no more than those and one, for the row after the
+                # last accepted draft was the first to fail (a verification's rows cost real
+                # compute on a CPU; full acceptances grow it again).
+                state.num_drafts = min(state.num_drafts, n + 1)
+            else:
                 state.num_drafts -= 1
                 if state.num_drafts == 0:
                     if state.rest_length > self.max_rest_steps:
