@@ -22,9 +22,8 @@
 //   Q8_0 (34 B):  d f16 | q[32] int8
 //
 // Each thread takes a range of output rows n; for each row and each tile of <= 8 rows of x,
-// a block is widened once into four 8-lane registers and used by every row of the tile
-// (x stays in L1/L2). Work per block is a few shifts and conversions, so one 8-row tile
-// costs little more than one row.
+// a block is widened once into registers (two of 16 lanes, or four of 8) and used by every
+// row of the tile (x stays in L1/L2). Work per block is a few shifts and conversions.
 
 #include "torch_lite.h"
 #include <ATen/Parallel.h>
@@ -50,6 +49,55 @@ constexpr int64_t kQ8_0Bytes = 34;
 constexpr int kMaxTile = 8;
 
 #if defined(PAGEDLM_BLOCK_AVX2)
+#if defined(__AVX512F__)
+// With 16-lane registers, where the CPU has them: a block is two registers and a row two
+// FMAs per block. Every row keeps two accumulators whatever the tile's height, so a row's
+// sums are added in the same order alone or beside others: its result does not depend on
+// the batch, and a speculative verification's k + 1 rows give what plain decoding gives.
+// (The 8-lane tile below splits a row's sums by the tile's height.)
+// w0 holds values 0 .. 15 of the block, w1 values 16 .. 31.
+inline void widen16_q4_1(const uint8_t* blk, __m512& w0, __m512& w1) {
+  int32_t dm_bits;
+  std::memcpy(&dm_bits, blk, 4);
+  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));  // [d, m, 0, 0]
+  const __m512 d = _mm512_broadcastss_ps(dm);
+  const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
+  w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), m);
+  w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), m);
+}
+inline void widen16_q8_0(const uint8_t* blk, __m512& w0, __m512& w1) {
+  uint16_t dbits;
+  std::memcpy(&dbits, blk, 2);
+  const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
+  const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
+  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
+  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
+}
+
+template <int MT, bool kQ4>
+inline void row_tile(const float* x, int64_t K, const uint8_t* row, int64_t num_blocks,
+                     float* y, int64_t ldy) {
+  constexpr int64_t kBytes = kQ4 ? kQ4_1Bytes : kQ8_0Bytes;
+  __m512 acc0[MT], acc1[MT];
+  for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    __m512 w0, w1;
+    if constexpr (kQ4) {
+      widen16_q4_1(row + b * kBytes, w0, w1);
+    } else {
+      widen16_q8_0(row + b * kBytes, w0, w1);
+    }
+    const float* xb = x + b * kBlock;
+    for (int i = 0; i < MT; ++i) {
+      acc0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K), w0, acc0[i]);
+      acc1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 16), w1, acc1[i]);
+    }
+  }
+  for (int i = 0; i < MT; ++i) y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
+}
+
+#else
 // w[g] holds values 8g .. 8g + 7 of the block.
 inline void widen_q4_1(const uint8_t* blk, __m256 w[4]) {
   int32_t dm_bits;
@@ -109,74 +157,8 @@ inline void row_tile(const float* x, int64_t K, const uint8_t* row, int64_t num_
   }
 }
 
-#if defined(__AVX512F__)
-// The same with 16-lane registers, where the CPU has them: a block is two registers and a
-// row two FMAs per block, half the instructions. A speculative verification (k + 1 rows)
-// or a small batch is compute bound in the 8-lane tile: at 7 rows it took about 3.5 times
-// one row's time. Every row keeps two accumulators whatever the tile's height, so a row's
-// sums are added in the same order alone or beside others (its result does not depend on
-// the batch).
-// w0 holds values 0 .. 15 of the block, w1 values 16 .. 31.
-inline void widen16_q4_1(const uint8_t* blk, __m512& w0, __m512& w1) {
-  int32_t dm_bits;
-  std::memcpy(&dm_bits, blk, 4);
-  const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));  // [d, m, 0, 0]
-  const __m512 d = _mm512_broadcastss_ps(dm);
-  const __m512 m = _mm512_broadcastss_ps(_mm_movehdup_ps(dm));
-  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4)));
-  w0 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0F))), m);
-  w1 = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), m);
-}
-inline void widen16_q8_0(const uint8_t* blk, __m512& w0, __m512& w1) {
-  uint16_t dbits;
-  std::memcpy(&dbits, blk, 2);
-  const __m512 d = _mm512_set1_ps(_cvtsh_ss(dbits));
-  const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
-  w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))));
-  w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))));
-}
+#endif  // __AVX512F__
 
-template <int MT, bool kQ4>
-inline void row_tile16(const float* x, int64_t K, const uint8_t* row, int64_t num_blocks,
-                       float* y, int64_t ldy) {
-  constexpr int64_t kBytes = kQ4 ? kQ4_1Bytes : kQ8_0Bytes;
-  __m512 acc0[MT], acc1[MT];
-  for (int i = 0; i < MT; ++i) acc0[i] = acc1[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < num_blocks; ++b) {
-    __m512 w0, w1;
-    if constexpr (kQ4) {
-      widen16_q4_1(row + b * kBytes, w0, w1);
-    } else {
-      widen16_q8_0(row + b * kBytes, w0, w1);
-    }
-    const float* xb = x + b * kBlock;
-    for (int i = 0; i < MT; ++i) {
-      acc0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K), w0, acc0[i]);
-      acc1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xb + i * K + 16), w1, acc1[i]);
-    }
-  }
-  for (int i = 0; i < MT; ++i) y[i * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(acc0[i], acc1[i]));
-}
-
-template <bool kQ4>
-void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t num_blocks,
-             float* y, int64_t ldy) {
-  for (int64_t i0 = 0; i0 < M; i0 += kMaxTile) {
-    const float* xi = x + i0 * K;
-    float* yi = y + i0 * ldy;
-    switch (std::min<int64_t>(M - i0, kMaxTile)) {
-      case 1: row_tile16<1, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 2: row_tile16<2, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 3: row_tile16<3, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 4: row_tile16<4, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 5: row_tile16<5, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 6: row_tile16<6, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      case 7: row_tile16<7, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-      default: row_tile16<8, kQ4>(xi, K, row, num_blocks, yi, ldy); break;
-    }
-  }
-}
-#else
 template <bool kQ4>
 void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t num_blocks,
              float* y, int64_t ldy) {
@@ -195,7 +177,6 @@ void row_all(const float* x, int64_t M, int64_t K, const uint8_t* row, int64_t n
     }
   }
 }
-#endif  // __AVX512F__
 #else
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
