@@ -30,8 +30,9 @@ class CoreLaunch:
         """Let the process go (the frontend failed before taking it over, or has shut it
         down): its pipe closes, and it exits when it next reads from it, which it does as
         soon as its imports (or a first start's kernel build) are done. Waits up to
-        `timeout` for that; never kills it mid-build, which would leave the build's lock
-        behind for the next start (it dies with this process anyway). Idempotent."""
+        `timeout` for that, so that a build about to finish is kept; it dies with this
+        process anyway (a build killed mid-way leaves no lock to wait on: csrc's
+        _build_lock). Idempotent."""
         self.conn.close()
         self.process.join(timeout)
 
@@ -42,7 +43,7 @@ def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) ->
     imports and builds the CPU kernels meanwhile (a first start's longest step); it
     resolves the model only once the frontend's EOS ids arrive, after the frontend has
     resolved it too (its tokenizer), so the two never race to download it. Returns once
-    the process is started and the model is here; a failed fetch stops the process."""
+    the process is started and the model is here; a failed fetch abandons the process."""
     ctx = multiprocessing.get_context("spawn")
     conn, child_conn = ctx.Pipe(duplex=True)
     log_levels = (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())
