@@ -171,3 +171,30 @@ def test_serve_starts_the_core_before_its_heavy_imports() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_a_failed_model_fetch_lets_the_started_core_process_go(monkeypatch):
+    """The core's process starts before the model is fetched (its imports and kernel build
+    overlap the download): when the fetch fails, the error reaches the caller and the
+    process, its pipe closed, exits on its own."""
+    from pagedlm.config import EngineArgs
+    from pagedlm.engine import core_launch
+
+    launches = []
+    abandon = core_launch.CoreLaunch.abandon
+
+    def record(self, timeout: float = 5.0) -> None:
+        launches.append(self)
+        abandon(self, timeout)
+
+    def no_network(model, revision=None):
+        raise RuntimeError("no network to fetch the default model")
+
+    monkeypatch.setattr(core_launch.CoreLaunch, "abandon", record)
+    monkeypatch.setattr(core_launch, "local_model_path", no_network)
+    with pytest.raises(RuntimeError, match="no network"):
+        core_launch.launch_core(EngineArgs(model=None, device="cpu"))
+    assert len(launches) == 1
+    process = launches[0].process
+    process.join(120)
+    assert not process.is_alive() and process.exitcode == 0
