@@ -16,7 +16,7 @@ import sys
 import pytest
 from torch.utils.cpp_extension import load
 
-from pagedlm.csrc import CSRC_DIR, LDFLAGS
+from pagedlm.csrc import CFLAGS, LDFLAGS, library_sources
 
 # kernel -> (source stem, module whose loader to replace, loader name, test file, -k filter)
 # (q8 and decode live in the decoder's library: csrc/__init__.py BUNDLED)
@@ -37,8 +37,10 @@ def main() -> int:
     failed = 0
     for name in names:
         stem, module_name, loader, test_file, select = KERNELS[name]
-        module = load(name=f"isa_{stem}_{march.replace('-', '_')}", sources=[str(CSRC_DIR / f"{stem}.cpp")],
-                      extra_cflags=["-O3", f"-march={march}", "-fopenmp"], extra_ldflags=list(LDFLAGS))
+        module = load(name=f"isa_{stem}_{march.replace('-', '_')}",
+                      sources=[str(path) for path in library_sources(stem)],
+                      extra_cflags=[f"-march={march}" if f.startswith("-march") else f for f in CFLAGS],
+                      extra_ldflags=list(LDFLAGS))
         # The test files import the loaders' callers, which look the loader up at call time.
         setattr(importlib.import_module(module_name), loader, lambda module=module: module)
         print(f"== {name}: {stem}.cpp built with -march={march}", flush=True)

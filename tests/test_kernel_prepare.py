@@ -44,7 +44,7 @@ def test_unbuilt_kernels_are_found_and_built_together(tmp_path, monkeypatch, cap
     # A library older than a file it compiles (an upgrade, here of a header the decoder
     # includes through another kernel file) is rebuilt, announced, not silently on load.
     decoder = "llama_decode_cpu"
-    assert {"torch_lite.h", "paged_attention_cpu.cpp", "cpu_vec.h"} <= {
+    assert {"lite_tensor.h", "lite_bind.h", "paged_attention_cpu.cpp", "cpu_vec.h"} <= {
         p.name for p in csrc._sources_of(decoder)}
     import os
 
@@ -118,3 +118,18 @@ def test_a_second_checkout_gets_kernel_names_of_its_own(tmp_path, monkeypatch):
         csrc._build_tag.cache_clear()
     assert elsewhere != here and elsewhere.startswith("pagedlm_sampler_cpu_")
     assert csrc.extension_name("sampler_cpu") == here
+
+
+def test_the_library_path_is_where_torchs_builder_puts_it(tmp_path, monkeypatch):
+    """With TORCH_EXTENSIONS_DIR set torch builds in it directly, without the per-Python
+    folder it adds under its default root: a path of our own that differed made every
+    start announce (and lock) a build of kernels that were already built."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = csrc.extension_name("sampler_cpu")
+    assert csrc._built_library("sampler_cpu").parent == tmp_path / name
+    assert str(csrc._built_library("sampler_cpu").parent) == _get_build_directory(name, False)
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert str(csrc._built_library("sampler_cpu").parent) == _get_build_directory(name, False)

@@ -33,7 +33,8 @@ def paged_decode_attention(
     q = (query.float() * scale).contiguous()  # [num_seqs, num_heads, head_dim]
     out = kernels.paged_decode(
         q, k_cache, v_cache, block_tables.contiguous(), seq_lens,
-        float(logits_soft_cap or 0.0), int(sliding_window or 0), alibi_slopes,
+        float(logits_soft_cap or 0.0), int(sliding_window or 0),
+        None if alibi_slopes is None else alibi_slopes.float().contiguous(),
     )
     return out if query.dtype == torch.float32 else out.to(query.dtype)
 

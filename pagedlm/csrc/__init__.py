@@ -2,9 +2,11 @@
 
 Every ``<stem>.cpp`` here is its own extension module, except the kernels the C++ decoder
 compiles with its own (``BUNDLED``): their functions are in the decoder's module, so their
-code compiles once. The build uses torch's extension builder (a C++ compiler and ninja),
-once per source version and CPU; later processes load the cached library in well under a
-second. Where no compiler is available
+code compiles once. The sources include no torch or pybind11 header (lite_tensor.h and
+lite_bind.h stand in for the little they need): parsing those took more of a first
+start's build than the kernels themselves. The build uses torch's extension builder (a
+C++ compiler and ninja), once per source version and CPU; later processes load the cached
+library in well under a second. Where no compiler is available
 :func:`load_extension` returns None and the caller falls back to its pure-torch path,
 with a warning that says why. ``PAGEDLM_DISABLE_CPU_KERNELS=1`` turns every kernel off.
 """
@@ -27,7 +29,7 @@ logger = logging.getLogger(__name__)
 CSRC_DIR = Path(__file__).resolve().parent
 DISABLE_ENV = "PAGEDLM_DISABLE_CPU_KERNELS"
 # Compiler and linker flags of every kernel in this directory.
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fvisibility=hidden"]
 LDFLAGS = ["-fopenmp"]
 
 
@@ -51,6 +53,16 @@ def _build_tag() -> str:
 BUNDLED = {stem: "llama_decode_cpu" for stem in (
     "block_gemv_cpu", "layer_ops_cpu", "lora_cpu", "paged_attention_cpu", "panel_gemm_cpu",
     "q8_gemm_cpu", "shm_allreduce_cpu")}
+
+
+# Libraries built from more than their own source: translation units the compiler runs in
+# parallel (paged attention takes as long to compile as every other decoder kernel together).
+LIBRARY_SOURCES = {"llama_decode_cpu": ["llama_decode_cpu", "paged_attention_cpu"]}
+
+
+def library_sources(stem: str) -> list[Path]:
+    """The .cpp files the library `stem` compiles, each a translation unit."""
+    return [CSRC_DIR / f"{name}.cpp" for name in LIBRARY_SOURCES.get(stem, [stem])]
 
 
 def kernel_stems() -> list[str]:
@@ -85,14 +97,13 @@ def load_extension(stem: str) -> ModuleType | None:
     prebuilt = json.loads(os.environ.get(PREBUILT_ENV, "{}")).get(stem)
     if prebuilt is not None:
         return _import_library(extension_name(stem), prebuilt)
-    source = CSRC_DIR / f"{stem}.cpp"
     try:
         from torch.utils.cpp_extension import load
 
         with _build_lock(stem):
             return load(
                 name=extension_name(stem),
-                sources=[str(source)],
+                sources=[str(path) for path in library_sources(stem)],
                 # Copies: torch appends its own flags to the lists it is given, and the
                 # grown lists would change the next kernel's build file, relinking it for
                 # nothing.
@@ -137,17 +148,25 @@ def extension_name(stem: str) -> str:
 
 def _built_library(stem: str) -> Path:
     """Where torch's builder keeps the library of `stem` (the path it would create; this
-    does not create it)."""
+    does not create it): in TORCH_EXTENSIONS_DIR itself when that is set, else in a
+    folder per Python and accelerator under torch's default root."""
     import sys
 
     import torch
     from torch.utils.cpp_extension import get_default_build_root
 
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    flavour = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
     name = extension_name(stem)
-    folder = f"py{sys.version_info.major}{sys.version_info.minor}_{flavour}"
-    return Path(root) / folder / name / f"{name}.so"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        if torch.version.hip is not None:
+            flavour = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            flavour = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            flavour = "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{flavour}")
+    return Path(root) / name / f"{name}.so"
 
 
 def unbuilt_kernels() -> list[str]:
@@ -163,10 +182,10 @@ def unbuilt_kernels() -> list[str]:
 
 
 def _sources_of(stem: str) -> list[Path]:
-    """The files a kernel's build reads from this directory: its source and what it
-    #includes from here (kernel files, headers), recursively."""
+    """The files a kernel's build reads from this directory: its sources and what they
+    #include from here (kernel files, headers), recursively."""
     seen: dict[str, Path] = {}
-    todo = [f"{stem}.cpp"]
+    todo = [path.name for path in library_sources(stem)]
     while todo:
         name = todo.pop()
         path = CSRC_DIR / name

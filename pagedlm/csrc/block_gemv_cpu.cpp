@@ -25,8 +25,7 @@
 // a block is widened once into registers (two of 16 lanes, or four of 8) and used by every
 // row of the tile (x stays in L1/L2). Work per block is a few shifts and conversions.
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -240,7 +239,13 @@ void run(const torch::Tensor& x, const torch::Tensor& blocks, const c10::optiona
       row_all<kQ4>(x_p, M, K, w_p + n * row_bytes, num_blocks, y_p + n, N);
     }
   });
-  if (bias.has_value()) y.add_(*bias);
+  if (bias.has_value()) {  // y += bias, row by row (as torch's broadcast add)
+    const float* b_p = bias->data_ptr<float>();
+    const int64_t b_stride = bias->stride(0);
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t n = 0; n < N; ++n) y_p[m * N + n] += b_p[n * b_stride];
+    }
+  }
 }
 
 void check_and_run(const torch::Tensor& x, const torch::Tensor& blocks,
@@ -299,7 +304,7 @@ void block_gemv_into(const torch::Tensor& x, const torch::Tensor& blocks, bool q
 
 // Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
-inline void bind_block_gemv_cpu(pybind11::module_& m) {
-  m.def("q4_1_gemv", &pagedlm_block::q4_1_gemv, "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
-  m.def("q8_0_gemv", &pagedlm_block::q8_0_gemv, "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
+inline void bind_block_gemv_cpu(lite_bind::Module& m) {
+  m.def<&pagedlm_block::q4_1_gemv>("q4_1_gemv", "x @ W.T (+ bias) with W in Q4_1 blocks, CPU");
+  m.def<&pagedlm_block::q8_0_gemv>("q8_0_gemv", "x @ W.T (+ bias) with W in Q8_0 blocks, CPU");
 }

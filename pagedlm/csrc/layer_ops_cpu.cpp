@@ -11,8 +11,7 @@
 //                 position (the cache holds [f | f], so the first half is used):
 //                 x1' = x1 cos - x2 sin,  x2' = x2 cos + x1 sin
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cmath>
@@ -190,8 +189,8 @@ std::vector<torch::Tensor> rotary(torch::Tensor positions, torch::Tensor query, 
 
 // Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
-inline void bind_layer_ops_cpu(pybind11::module_& m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm with optional residual add (float32, CPU)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (float32, CPU)");
-  m.def("rotary", &rotary, "rotate-half RoPE of query and key (float32, CPU)");
+inline void bind_layer_ops_cpu(lite_bind::Module& m) {
+  m.def<&rms_norm>("rms_norm", "RMSNorm with optional residual add (float32, CPU)");
+  m.def<&silu_and_mul>("silu_and_mul", "silu(gate) * up (float32, CPU)");
+  m.def<&rotary>("rotary", "rotate-half RoPE of query and key (float32, CPU)");
 }

@@ -23,11 +23,12 @@
 // qualify and tests/test_llama_cpu_decode.py compares the two.
 
 // Those kernels have no module of their own: this one exports their functions too
-// (csrc/__init__.py BUNDLED), so their code compiles once.
+// (csrc/__init__.py BUNDLED), so their code compiles once. Paged attention, the longest
+// of them to compile, is a second translation unit of this library, built beside this one.
 #include "block_gemv_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "lora_cpu.cpp"
-#include "paged_attention_cpu.cpp"
+#include "paged_attention_cpu.h"
 #include "panel_gemm_cpu.cpp"
 #include "q8_gemm_cpu.cpp"
 #include "shm_allreduce_cpu.cpp"
@@ -424,7 +425,7 @@ class LlamaDecoder {
   int64_t rank_ = 0, world_ = 1, timeout_ms_ = 0, round_ = 1;
 };
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_block_gemv_cpu(m);
   bind_layer_ops_cpu(m);
   bind_lora_cpu(m);
@@ -432,22 +433,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_panel_gemm_cpu(m);
   bind_q8_gemm_cpu(m);
   bind_shm_allreduce_cpu(m);
-  // module_local: a second build of this library in one process (tests/isa_builds.py loads
-  // one per instruction set beside the native one) registers its own classes.
-  pybind11::class_<Linear>(m, "Linear", pybind11::module_local())
-      .def_static("q8", &Linear::q8)
-      .def_static("panel", &Linear::panel)
-      .def_static("block", &Linear::block);
-  pybind11::class_<LlamaDecoder>(m, "LlamaDecoder", pybind11::module_local())
-      .def(pybind11::init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor,
-                          torch::Tensor>())
-      .def("add_layer", &LlamaDecoder::add_layer)
-      .def("forward", &LlamaDecoder::forward)
-      .def("set_all_reduce", &LlamaDecoder::set_all_reduce)
-      .def("set_lora", &LlamaDecoder::set_lora)
-      .def("set_lora_slots", &LlamaDecoder::set_lora_slots)
-      .def("round", &LlamaDecoder::round)
-      .def("set_round", &LlamaDecoder::set_round)
-      .def("set_profile", &LlamaDecoder::set_profile)
-      .def("profile", &LlamaDecoder::profile);
+  // (lite_bind.h's types are per library: a second build of this one in a process, as
+  // tests/isa_builds.py loads beside the native one, registers its own classes.)
+  m.cls<Linear>("Linear")
+      .def_static<&Linear::q8>("q8")
+      .def_static<&Linear::panel>("panel")
+      .def_static<&Linear::block>("block");
+  m.cls<LlamaDecoder>("LlamaDecoder")
+      .init<int64_t, int64_t, int64_t, double, torch::Tensor, torch::Tensor, torch::Tensor>()
+      .def<&LlamaDecoder::add_layer>("add_layer")
+      .def<&LlamaDecoder::forward>("forward")
+      .def<&LlamaDecoder::set_all_reduce>("set_all_reduce")
+      .def<&LlamaDecoder::set_lora>("set_lora")
+      .def<&LlamaDecoder::set_lora_slots>("set_lora_slots")
+      .def<&LlamaDecoder::round>("round")
+      .def<&LlamaDecoder::set_round>("set_round")
+      .def<&LlamaDecoder::set_profile>("set_profile")
+      .def<&LlamaDecoder::profile>("profile");
 }

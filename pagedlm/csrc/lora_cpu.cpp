@@ -14,9 +14,7 @@
 // exports it (csrc/__init__.py BUNDLED) and applies it after each of a layer's matmuls in
 // pure-decode steps with adapters.
 #pragma once
-#include "torch_lite.h"
-
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -194,7 +192,6 @@ inline void lora_add(const torch::Tensor& x, torch::Tensor& y, const torch::Tens
 
 }  // namespace pagedlm_lora
 
-inline void bind_lora_cpu(pybind11::module_& m) {
-  m.def("lora_add", &pagedlm_lora::lora_add,
-        "y += each token's LoRA delta (its slot's A, then B)");
+inline void bind_lora_cpu(lite_bind::Module& m) {
+  m.def<&pagedlm_lora::lora_add>("lora_add", "y += each token's LoRA delta (its slot's A, then B)");
 }

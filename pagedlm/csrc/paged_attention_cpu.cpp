@@ -18,8 +18,7 @@
 //   s = (q_h . k_t) * scale;  s = cap * tanh(s / cap) if cap > 0;  s += slope_h * (t - q);
 //   visible iff t <= q and (window <= 0 or q - t < window).
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "paged_attention_cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -535,10 +534,7 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
 
 }  // namespace
 
-// query [num_seqs, num_heads, head_dim] float32 contiguous, already multiplied by the
-// softmax scale; caches [num_blocks, block_size, num_kv_heads, head_dim] contiguous;
-// block_tables [num_seqs, max_blocks] int64; seq_lens on the host; out float32 contiguous
-// [num_seqs, num_heads, head_dim] (a preallocated buffer).
+// (Arguments: paged_attention_cpu.h.)
 void paged_decode_into(const torch::Tensor& query, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                        const std::vector<int64_t>& seq_lens, double soft_cap, int64_t window,
@@ -560,11 +556,11 @@ void paged_decode_into(const torch::Tensor& query, const torch::Tensor& k_cache,
                 "seq_len ", len, " outside the block table");
   }
   const float* slopes_p = nullptr;
-  torch::Tensor slopes_f;
   if (slopes.has_value()) {
-    slopes_f = slopes->to(torch::kFloat).contiguous();
-    TORCH_CHECK(slopes_f.numel() == query.size(1), "one ALiBi slope per query head");
-    slopes_p = slopes_f.data_ptr<float>();
+    TORCH_CHECK(slopes->scalar_type() == torch::kFloat && slopes->is_contiguous() &&
+                    slopes->numel() == query.size(1),
+                "ALiBi slopes must be contiguous float32, one per query head");
+    slopes_p = slopes->data_ptr<float>();
   }
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
               "out must be a contiguous float32 tensor shaped as the query");
@@ -584,8 +580,9 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor k_cache, torch::Te
   return out;
 }
 
-// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
-// compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
-inline void bind_paged_attention_cpu(pybind11::module_& m) {
-  m.def("paged_decode", &paged_decode, "Paged decode attention on CPU");
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), whose
+// library compiles this file beside its own: one library instead of two (csrc/__init__.py
+// BUNDLED and LIBRARY_SOURCES).
+void bind_paged_attention_cpu(lite_bind::Module& m) {
+  m.def<&paged_decode>("paged_decode", "Paged decode attention on CPU");
 }

@@ -24,8 +24,7 @@
 // Each output is sum_k x[i, k] * W[n, k] in float32 FMAs in order of k (+ bias): the same
 // maths as F.linear up to the order of the float32 sums.
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -213,6 +212,6 @@ torch::Tensor panel_gemm(torch::Tensor x, torch::Tensor packed, int64_t N,
 
 // Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
-inline void bind_panel_gemm_cpu(pybind11::module_& m) {
-  m.def("panel_gemm", &pagedlm_panel::panel_gemm, "x @ W.T (+ bias) with W packed in 16-column panels, CPU");
+inline void bind_panel_gemm_cpu(lite_bind::Module& m) {
+  m.def<&pagedlm_panel::panel_gemm>("panel_gemm", "x @ W.T (+ bias) with W packed in 16-column panels, CPU");
 }

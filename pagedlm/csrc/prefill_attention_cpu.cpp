@@ -22,8 +22,7 @@
 // and are handed out one at a time, so the threads finish together although causal items
 // differ in length: torch's SDPA takes one call per sequence, each split on its own.
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <atomic>
@@ -373,8 +372,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_prefill", &paged_prefill,
-        "causal attention of every prefill of a step against its paged context, CPU");
-  m.attr("lanes") = kW;  // head_dim must be a multiple of this
+PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def<&paged_prefill>("paged_prefill", "causal attention of every prefill of a step against its paged context, CPU");
+  m.attr("lanes", kW);  // head_dim must be a multiple of this
 }

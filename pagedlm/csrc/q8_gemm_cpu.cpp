@@ -39,8 +39,7 @@
 // every row tile of the chunk runs over it. Every output is the same sequence of operations whatever
 // the tile, chunk or thread it falls in, so a row's result does not depend on its batch.
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cmath>
@@ -472,8 +471,9 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   const at::Half* sc_p = scales.data_ptr<at::Half>();
   const float* bias_p = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* y_p = y.data_ptr<float>();
-  const int64_t panel_bytes = packed[0].numel();
-  const int64_t scale_count = scales[0].numel();
+  // Elements of one panel and of its scales.
+  const int64_t panel_bytes = packed.size(0) ? packed.numel() / packed.size(0) : 0;
+  const int64_t scale_count = scales.size(0) ? scales.numel() / scales.size(0) : 0;
   const int64_t wide_bytes = B * kGroups * 32;
   // Rows go in chunks of about 192 KiB of rounded activations, which stay in L2 while every
   // panel of the thread runs over them (a Q4_1 panel is widened again per chunk: 1/mc of
@@ -579,7 +579,6 @@ torch::Tensor q8_gemm(torch::Tensor x, torch::Tensor packed, torch::Tensor scale
 
 // Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own: one build instead of two (csrc/__init__.py BUNDLED).
-inline void bind_q8_gemm_cpu(pybind11::module_& m) {
-  m.def("q8_gemm", &q8_gemm,
-        "x @ W.T (+ bias) with W in Q4_1/Q8_0 blocks and x rounded to int8 per 32 values, CPU");
+inline void bind_q8_gemm_cpu(lite_bind::Module& m) {
+  m.def<&q8_gemm>("q8_gemm", "x @ W.T (+ bias) with W in Q4_1/Q8_0 blocks and x rounded to int8 per 32 values, CPU");
 }

@@ -39,8 +39,7 @@
 // Special values, as torch.argmax of the reference race: -inf never wins unless the whole row
 // is -inf (then index 0); +inf beats every finite value; NaN beats everything (first NaN).
 
-#include "torch_lite.h"
-#include <ATen/Parallel.h>
+#include "lite_bind.h"
 
 #include <algorithm>
 #include <cmath>
@@ -497,11 +496,8 @@ torch::Tensor noise_from_bits(torch::Tensor bits) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("exponential_race", &exponential_race, "argmax_j x_j / t - log(-log u_j): the sampled token per row",
-        py::arg("x"), py::arg("seeds"), py::arg("steps"), py::arg("temperature") = py::none());
-  m.def("uniform", &uniform, "The kernel's u [num_rows, vocab_size] (random_uniform's hash)",
-        py::arg("seeds"), py::arg("steps"), py::arg("vocab_size"));
-  m.def("noise_from_bits", &noise_from_bits, "The kernel's -log(-log u) for 23-bit hash values",
-        py::arg("bits"));
+PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def<&exponential_race>("exponential_race", "argmax_j x_j / t - log(-log u_j): the sampled token per row");
+  m.def<&uniform>("uniform", "The kernel's u [num_rows, vocab_size] (random_uniform's hash)");
+  m.def<&noise_from_bits>("noise_from_bits", "The kernel's -log(-log u) for 23-bit hash values");
 }

@@ -25,7 +25,7 @@
 // A peer that dies leaves its flag behind and the others would spin forever: the wait gives up
 // after `timeout_ms` and raises, and the engine (which watches the processes) kills every rank.
 
-#include "torch_lite.h"
+#include "lite_bind.h"
 
 #include <atomic>
 #include <chrono>
@@ -115,7 +115,7 @@ int64_t all_reduce_rounds(const Segment& seg, int64_t rank, int64_t round, float
 int64_t all_reduce(torch::Tensor segment, int64_t rank, int64_t world, int64_t chunk,
                    int64_t round, torch::Tensor x, int64_t timeout_ms) {
   Segment seg = checked_segment(segment, rank, world, chunk, x);
-  pybind11::gil_scoped_release no_gil;
+  pagedlm_lite::gil_scoped_release no_gil;
   return all_reduce_rounds(seg, rank, round, x.data_ptr<float>(), x.numel(), timeout_ms);
 }
 
@@ -131,7 +131,7 @@ int64_t all_gather(torch::Tensor segment, int64_t rank, int64_t world, int64_t c
   const float* data = x.data_ptr<float>();
   float* result = out.data_ptr<float>();
   const int64_t n = x.numel();
-  pybind11::gil_scoped_release no_gil;
+  pagedlm_lite::gil_scoped_release no_gil;
   for (int64_t offset = 0; offset < n; offset += chunk, ++round) {
     const int64_t len = std::min(chunk, n - offset);
     std::memcpy(seg.slot(round, rank), data + offset, len * sizeof(float));
@@ -150,12 +150,10 @@ int64_t segment_bytes(int64_t world, int64_t chunk) {
 
 // Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own and calls all_reduce_rounds between its layers.
-inline void bind_shm_allreduce_cpu(pybind11::module_& m) {
-  m.def("all_reduce", &all_reduce, "In-place sum of x over the ranks; returns the next round",
-        py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("chunk"), py::arg("round"),
-        py::arg("x"), py::arg("timeout_ms"));
-  m.def("all_gather", &all_gather, "out[p] = rank p's x; returns the next round",
-        py::arg("segment"), py::arg("rank"), py::arg("world"), py::arg("chunk"), py::arg("round"),
-        py::arg("x"), py::arg("out"), py::arg("timeout_ms"));
-  m.def("segment_bytes", &segment_bytes, "Bytes of the segment for world ranks and chunk floats");
+inline void bind_shm_allreduce_cpu(lite_bind::Module& m) {
+  m.def<&all_reduce>("all_reduce", "In-place sum of x over the ranks; returns the next round "
+                                    "(segment, rank, world, chunk, round, x, timeout_ms)");
+  m.def<&all_gather>("all_gather", "out[p] = rank p's x; returns the next round "
+                                    "(segment, rank, world, chunk, round, x, out, timeout_ms)");
+  m.def<&segment_bytes>("segment_bytes", "Bytes of the segment for world ranks and chunk floats");
 }
