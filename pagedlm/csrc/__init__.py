@@ -207,7 +207,7 @@ def prepare_cpu_kernels() -> None:
         import time
         from concurrent.futures import ThreadPoolExecutor
 
-        logger.warning("building %d CPU kernels, one time (about 25-40 s on two cores; "
+        logger.warning("building %d CPU kernels, one time (about 15-20 s on two cores; "
                        "cached for later starts): %s", len(missing), ", ".join(missing))
         start = time.perf_counter()
         # The longest build first, so that no core is left with it at the end: the
