@@ -453,10 +453,9 @@ struct Function<F> {
   }
 };
 
-template <auto M>
-struct Method;
-template <typename C, typename R, typename... Params, R (C::*M)(Params...)>
-struct Method<M> {
+// A member function M of C (const or not) called on the object `self` holds.
+template <auto M, typename C, typename R, typename... Params>
+struct BoundMethod {
   static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     return guarded([&]() -> PyObject* {
       if (!check_count("method", nargs, required_count<Params...>(), sizeof...(Params))) return nullptr;
@@ -469,20 +468,12 @@ struct Method<M> {
     return call_and_convert<R>([&]() -> decltype(auto) { return (obj.*M)(std::get<I>(values)...); });
   }
 };
+template <auto M>
+struct Method;
+template <typename C, typename R, typename... Params, R (C::*M)(Params...)>
+struct Method<M> : BoundMethod<M, C, R, Params...> {};
 template <typename C, typename R, typename... Params, R (C::*M)(Params...) const>
-struct Method<M> {
-  static PyObject* call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
-    return guarded([&]() -> PyObject* {
-      if (!check_count("method", nargs, required_count<Params...>(), sizeof...(Params))) return nullptr;
-      return invoke(instance_of<C>(self, 0), args, nargs, std::index_sequence_for<Params...>{});
-    });
-  }
-  template <size_t... I>
-  static PyObject* invoke(const C& obj, PyObject* const* args, Py_ssize_t nargs, std::index_sequence<I...>) {
-    std::tuple<Bare<Params>...> values{convert<Params>(args, nargs, I)...};
-    return call_and_convert<R>([&]() -> decltype(auto) { return (obj.*M)(std::get<I>(values)...); });
-  }
-};
+struct Method<M> : BoundMethod<M, C, R, Params...> {};
 
 // Constructors: T(Params...) from a call's positional arguments.
 template <typename T, typename... Params>
