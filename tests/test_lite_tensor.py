@@ -144,6 +144,10 @@ def test_bindings_convert_arguments_and_results(lite):
         lite.echo(None, [])
     with pytest.raises(RuntimeError, match="x must be contiguous float32"):
         lite.convert(torch.zeros(4, 4).t(), 0)
+    # A tensor DLPack will not export (it requires grad) is read through its attributes.
+    x = torch.randn(5, 3)
+    same_bits(lite.convert(x.clone().requires_grad_(True), 0), lite.convert(x, 0))
+    assert lite.view_strides(x.clone().requires_grad_(True), 0, 1, 2, [6]) == [1, 3]
     out = lite.convert(torch.ones(2, 3), 1)  # a tensor the kernel allocated, returned as is
     assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.shape == (2, 3)
 

@@ -83,6 +83,74 @@ struct Ref {  // owns one new reference
   Ref& operator=(const Ref&) = delete;
 };
 
+// DLPack's C structs (dlpack.h, v0.8 ABI, as torch._C._from_dlpack takes them).
+struct DLDevice {
+  int32_t device_type;  // 1: CPU
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+// torch's DLPack code of each dtype, read at import from a tensor of it (torch names the
+// float8 codes by the DLPack version it follows; asking torch keeps them right).
+inline DLDataType dl_types[pagedlm_lite::kNumScalarTypes];
+inline bool dl_known[pagedlm_lite::kNumScalarTypes];
+inline PyObject* from_dlpack = nullptr;
+
+inline PyObject* to_dlpack = nullptr;
+
+// A view of a torch tensor through torch._C._to_dlpack: one call for its pointer, dtype,
+// sizes and strides (0.2 us, where reading them as attributes took several). False for
+// what DLPack does not export (a tensor that requires grad, a conjugate view): the
+// caller reads the attributes instead.
+inline bool dlpack_view(PyObject* o, Tensor& out) {
+  if (to_dlpack == nullptr) return false;
+  Ref capsule(PyObject_CallOneArg(to_dlpack, o));
+  if (capsule.p == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  auto* m = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule.p, "dltensor"));
+  if (m == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const DLTensor& d = m->dl_tensor;
+  ScalarType type = ScalarType::Undefined;
+  for (int i = 0; i < pagedlm_lite::kNumScalarTypes; ++i) {
+    const DLDataType& k = dl_types[i];
+    if (dl_known[i] && k.code == d.dtype.code && k.bits == d.dtype.bits && k.lanes == d.dtype.lanes) {
+      type = static_cast<ScalarType>(i);
+    }
+  }
+  if (type == ScalarType::Undefined) return false;
+  std::vector<int64_t> sizes(d.shape, d.shape + d.ndim), strides(d.ndim);
+  int64_t stride = 1;
+  for (int32_t i = d.ndim; i-- > 0;) {  // no strides: contiguous
+    strides[i] = d.strides ? d.strides[i] : stride;
+    stride *= sizes[i];
+  }
+  out = Tensor(static_cast<char*>(d.data) + d.byte_offset, type, std::move(sizes), std::move(strides),
+               d.device.device_type == 1, hold(o), o);
+  return true;  // the capsule, never consumed, frees its export on release
+}
+
 inline Tensor tensor_from(PyObject* o, Py_ssize_t position) {
   const Torch& t = torch_refs;
   if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type))) {
@@ -90,6 +158,8 @@ inline Tensor tensor_from(PyObject* o, Py_ssize_t position) {
                  Py_TYPE(o)->tp_name);
     throw PythonError{};
   }
+  Tensor view;
+  if (dlpack_view(o, view)) return view;
   Ref dtype(PyObject_GetAttr(o, t.s_dtype));
   Ref shape(PyObject_GetAttr(o, t.s_shape));
   Ref strides(PyObject_CallMethodNoArgs(o, t.s_stride));
@@ -131,36 +201,6 @@ inline Tensor allocate(const std::vector<int64_t>& sizes, ScalarType type) {
   return Tensor(data, type, sizes, std::move(strides), true, std::shared_ptr<void>(data, std::free), nullptr);
 }
 
-// DLPack's C structs (dlpack.h, v0.8 ABI, as torch._C._from_dlpack takes them).
-struct DLDevice {
-  int32_t device_type;  // 1: CPU
-  int32_t device_id;
-};
-struct DLDataType {
-  uint8_t code;
-  uint8_t bits;
-  uint16_t lanes;
-};
-struct DLTensor {
-  void* data;
-  DLDevice device;
-  int32_t ndim;
-  DLDataType dtype;
-  int64_t* shape;
-  int64_t* strides;
-  uint64_t byte_offset;
-};
-struct DLManagedTensor {
-  DLTensor dl_tensor;
-  void* manager_ctx;
-  void (*deleter)(DLManagedTensor*);
-};
-// torch's DLPack code of each dtype, read at import from a tensor of it (torch names the
-// float8 codes by the DLPack version it follows; asking torch keeps them right).
-inline DLDataType dl_types[pagedlm_lite::kNumScalarTypes];
-inline bool dl_known[pagedlm_lite::kNumScalarTypes];
-inline PyObject* from_dlpack = nullptr;
-
 struct Exported {
   DLManagedTensor managed;
   std::vector<int64_t> shape, strides;
@@ -197,14 +237,14 @@ inline PyObject* to_torch(const Tensor& t) {
 inline bool init_dlpack(PyObject* torch_module) {
   Ref c(PyObject_GetAttrString(torch_module, "_C"));
   from_dlpack = c.p ? PyObject_GetAttrString(c.p, "_from_dlpack") : nullptr;
-  Ref to_dlpack(c.p ? PyObject_GetAttrString(c.p, "_to_dlpack") : nullptr);
+  Ref export_(c.p ? PyObject_GetAttrString(c.p, "_to_dlpack") : nullptr);
   Ref empty(PyObject_GetAttrString(torch_module, "empty"));
-  if (!from_dlpack || !to_dlpack.p || !empty.p) return false;
+  if (!from_dlpack || !export_.p || !empty.p) return false;
   for (int i = 0; i < pagedlm_lite::kNumScalarTypes; ++i) {
     Ref zero(PyLong_FromLong(0));
     PyObject* args[2] = {zero.p, torch_refs.dtypes[i]};
     Ref sample(PyObject_Vectorcall(empty.p, args, 1, torch_refs.dtype_kw));
-    Ref capsule(sample.p ? PyObject_CallOneArg(to_dlpack.p, sample.p) : nullptr);
+    Ref capsule(sample.p ? PyObject_CallOneArg(export_.p, sample.p) : nullptr);
     if (capsule.p == nullptr) {  // a dtype torch does not export
       PyErr_Clear();
       continue;
@@ -214,6 +254,17 @@ inline bool init_dlpack(PyObject* torch_module) {
     dl_types[i] = m->dl_tensor.dtype;
     dl_known[i] = true;
   }
+  // Two dtypes under one code could not be told apart: neither goes through DLPack.
+  for (int i = 0; i < pagedlm_lite::kNumScalarTypes; ++i) {
+    for (int j = 0; j < i; ++j) {
+      const DLDataType &a = dl_types[i], &b = dl_types[j];
+      if (dl_known[i] && dl_known[j] && a.code == b.code && a.bits == b.bits && a.lanes == b.lanes) {
+        dl_known[i] = dl_known[j] = false;
+      }
+    }
+  }
+  Py_INCREF(export_.p);
+  to_dlpack = export_.p;
   return true;
 }
 
