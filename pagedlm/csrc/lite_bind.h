@@ -140,12 +140,9 @@ inline bool dlpack_view(PyObject* o, Tensor& out) {
     }
   }
   if (type == ScalarType::Undefined) return false;
-  std::vector<int64_t> sizes(d.shape, d.shape + d.ndim), strides(d.ndim);
-  int64_t stride = 1;
-  for (int32_t i = d.ndim; i-- > 0;) {  // no strides: contiguous
-    strides[i] = d.strides ? d.strides[i] : stride;
-    stride *= sizes[i];
-  }
+  std::vector<int64_t> sizes(d.shape, d.shape + d.ndim);
+  std::vector<int64_t> strides = d.strides ? std::vector<int64_t>(d.strides, d.strides + d.ndim)
+                                           : pagedlm_lite::contiguous_strides(sizes);
   out = Tensor(static_cast<char*>(d.data) + d.byte_offset, type, std::move(sizes), std::move(strides),
                d.device.device_type == 1, hold(o), o);
   return true;  // the capsule, never consumed, frees its export on release
@@ -192,13 +189,7 @@ inline Tensor allocate(const std::vector<int64_t>& sizes, ScalarType type) {
                                            pagedlm_lite::kElementSizes[static_cast<int>(type)]);
   void* data = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
   if (data == nullptr) throw std::bad_alloc();
-  std::vector<int64_t> strides(sizes.size());
-  int64_t stride = 1;
-  for (size_t d = sizes.size(); d-- > 0;) {
-    strides[d] = stride;
-    stride *= std::max<int64_t>(sizes[d], 1);
-  }
-  return Tensor(data, type, sizes, std::move(strides), true, std::shared_ptr<void>(data, std::free), nullptr);
+  return Tensor(data, type, sizes, pagedlm_lite::contiguous_strides(sizes), true, std::shared_ptr<void>(data, std::free), nullptr);
 }
 
 struct Exported {
@@ -435,18 +426,13 @@ PyObject* result(const T& v) {  // a bound class, by value
 
 // ---- calls ----
 
-template <typename T, typename = void>
-struct has_value_type : std::false_type {};
 template <typename T>
-struct has_value_type<T, std::void_t<typename T::value_type>> : std::true_type {};
+struct is_optional : std::false_type {};
 template <typename T>
-constexpr bool is_optional() {
-  if constexpr (has_value_type<T>::value) return std::is_same_v<T, std::optional<typename T::value_type>>;
-  return false;
-}
+struct is_optional<std::optional<T>> : std::true_type {};
 template <typename... Params>
 constexpr Py_ssize_t required_count() {
-  constexpr bool optional[] = {false, is_optional<Bare<Params>>()...};
+  constexpr bool optional[] = {false, is_optional<Bare<Params>>::value...};
   Py_ssize_t required = static_cast<Py_ssize_t>(sizeof...(Params));
   while (required > 0 && optional[required]) --required;
   return required;
@@ -559,8 +545,8 @@ struct Init {
 template <typename T>
 class Class {
  public:
-  Class(PyObject* module, const char* module_name, const char* name)
-      : module_(module), name_(std::string(module_name) + "." + name), short_name_(name) {}
+  Class(const char* module_name, const char* name)
+      : name_(std::string(module_name) + "." + name), short_name_(name) {}
   template <typename... Params>
   Class& init() {
     new_ = &Init<T, Params...>::make;
@@ -578,9 +564,8 @@ class Class {
                          METH_FASTCALL | METH_STATIC, doc});
     return *this;
   }
-  void set_module(PyObject* module) { module_ = module; }
-  // Makes the type (after every def) and adds it to the module.
-  bool finish() {
+  // Makes the type (after every def) and adds it to `module`.
+  bool finish(PyObject* module) {
     methods_->push_back({nullptr, nullptr, 0, nullptr});
     static std::vector<PyType_Slot> slots;
     slots = {{Py_tp_dealloc, reinterpret_cast<void*>(&dealloc)},
@@ -594,7 +579,7 @@ class Class {
     PyObject* type = PyType_FromSpec(&spec);
     if (type == nullptr) return false;
     class_type<T> = reinterpret_cast<PyTypeObject*>(type);
-    return PyModule_AddObject(module_, short_name_, type) == 0;
+    return PyModule_AddObject(module, short_name_, type) == 0;
   }
 
  private:
@@ -605,7 +590,6 @@ class Class {
     Py_DECREF(type);
   }
 
-  PyObject* module_;
   std::string name_;
   const char* short_name_;
   newfunc new_ = nullptr;
@@ -625,11 +609,8 @@ class Module {
   void attr(const char* name, int64_t value) { ints_.emplace_back(name, value); }
   template <typename T>
   Class<T>& cls(const char* name) {
-    auto* c = new Class<T>(nullptr, name_, name);
-    classes_.push_back([c](PyObject* module) {
-      c->set_module(module);
-      return c->finish();
-    });
+    auto* c = new Class<T>(name_, name);  // lives as long as its type: the process
+    classes_.push_back([c](PyObject* module) { return c->finish(module); });
     return *c;
   }
 

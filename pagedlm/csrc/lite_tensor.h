@@ -190,6 +190,18 @@ template <> constexpr ScalarType scalar_type_of<BFloat16> = ScalarType::BFloat16
 template <> constexpr ScalarType scalar_type_of<Float8_e5m2> = ScalarType::Float8_e5m2;
 template <> constexpr ScalarType scalar_type_of<Float8_e4m3fn> = ScalarType::Float8_e4m3fn;
 
+// The strides of a contiguous tensor of these sizes (a dimension of size 0 counts as 1,
+// as torch's do).
+inline std::vector<int64_t> contiguous_strides(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> strides(sizes.size());
+  int64_t stride = 1;
+  for (size_t d = sizes.size(); d-- > 0;) {
+    strides[d] = stride;
+    stride *= std::max<int64_t>(sizes[d], 1);
+  }
+  return strides;
+}
+
 struct Device {
   bool cpu;
   bool is_cpu() const { return cpu; }
@@ -288,11 +300,7 @@ class Tensor {
   bool view_strides(const std::vector<int64_t>& shape, std::vector<int64_t>& out) const {
     const int64_t new_dims = static_cast<int64_t>(shape.size());
     if (numel() == 0 || dim() == 0) {  // any shape: contiguous strides
-      int64_t stride = 1;
-      for (int64_t d = new_dims - 1; d >= 0; --d) {
-        out[d] = stride;
-        stride *= std::max<int64_t>(shape[d], 1);
-      }
+      out = contiguous_strides(shape);
       return true;
     }
     // Walk the old dimensions from the innermost, in runs that are one block of memory
