@@ -14,9 +14,16 @@ import importlib
 import sys
 
 import pytest
-from torch.utils.cpp_extension import load
 
-from pagedlm.csrc import CFLAGS, LDFLAGS, library_sources
+from pagedlm.csrc import (
+    CFLAGS,
+    LDFLAGS,
+    _import_library,
+    build_library,
+    kernel_dir,
+    library_key,
+    library_sources,
+)
 
 # kernel -> (source stem, module whose loader to replace, loader name, test file, -k filter)
 # (q8 and decode live in the decoder's library: csrc/__init__.py BUNDLED)
@@ -37,10 +44,13 @@ def main() -> int:
     failed = 0
     for name in names:
         stem, module_name, loader, test_file, select = KERNELS[name]
-        module = load(name=f"isa_{stem}_{march.replace('-', '_')}",
-                      sources=[str(path) for path in library_sources(stem)],
-                      extra_cflags=[f"-march={march}" if f.startswith("-march") else f for f in CFLAGS],
-                      extra_ldflags=list(LDFLAGS))
+        flags = [f"-march={march}" if f.startswith("-march") else f for f in CFLAGS]
+        sources = library_sources(stem)
+        lib = f"isa_{stem}_{march.replace('-', '_')}_{library_key(sources, flags, LDFLAGS)}"
+        out = kernel_dir() / f"{lib}.so"
+        if not out.exists():
+            build_library(lib, sources, out, cflags=flags)
+        module = _import_library(lib, str(out))
         # The test files import the loaders' callers, which look the loader up at call time.
         setattr(importlib.import_module(module_name), loader, lambda module=module: module)
         print(f"== {name}: {stem}.cpp built with -march={march}", flush=True)

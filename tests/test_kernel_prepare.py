@@ -1,58 +1,191 @@
-"""CPU kernels are built at engine start-up, together and announced, not silently inside
-the first request; nothing is said when they are already built."""
+"""CPU kernels are built at engine start-up (or by pip's install), together and announced,
+not silently inside the first request; nothing is said when they are already built. The
+builder (pagedlm/csrc/build.py) names each library by a hash of what makes it, so a changed
+source builds a new one; one process builds a library at a time, under an flock."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
 
 from pagedlm import csrc
+from pagedlm.csrc import build
 
 
-def test_unbuilt_kernels_are_found_and_built_together(tmp_path, monkeypatch, caplog):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+@pytest.fixture
+def kernel_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLM_KERNEL_DIR", str(tmp_path / "kernels"))
     monkeypatch.delenv(csrc.PREBUILT_ENV, raising=False)
     monkeypatch.delenv(csrc.DISABLE_ENV, raising=False)
-    stems = csrc.kernel_stems()
-    # Every source builds as a library, except the kernels the decoder compiles with its own.
-    assert sorted(stems + list(csrc.BUNDLED)) == sorted(p.stem for p in csrc.CSRC_DIR.glob("*.cpp"))
-    assert set(csrc.BUNDLED.values()) <= set(stems)
-    assert csrc.unbuilt_kernels() == stems  # an empty build root: nothing is built
+    return tmp_path / "kernels"
 
+
+@pytest.fixture
+def fake_compiler(monkeypatch):
+    """_build_all writing empty libraries, recording which it was asked for."""
     built: list[str] = []
 
-    def fake_build(stem: str):  # what torch's builder leaves behind
-        library = csrc._built_library(stem)
-        library.parent.mkdir(parents=True, exist_ok=True)
-        library.write_bytes(b"")
-        built.append(stem)
+    def build_all(libraries, cflags, ldflags, include_dirs=(), jobs=None):
+        for name, (_, out) in libraries.items():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_bytes(b"")
+            built.append(name.split("_", 1)[1].rsplit("_", 1)[0])
+        return {name: out for name, (_, out) in libraries.items()}
 
-    monkeypatch.setattr(csrc, "load_extension", fake_build)
+    monkeypatch.setattr(build, "_build_all", build_all)
+    return built
+
+
+@pytest.fixture
+def csrc_copy(tmp_path, monkeypatch):
+    """The kernel sources copied to a folder whose files a test may change."""
+    copy = tmp_path / "csrc"
+    shutil.copytree(build.CSRC_DIR, copy, ignore=shutil.ignore_patterns("*.py", "__pycache__"))
+    monkeypatch.setattr(build, "CSRC_DIR", copy)
+    build._kernel_key.cache_clear()
+    yield copy
+    build._kernel_key.cache_clear()
+
+
+def test_unbuilt_kernels_are_found_and_built_together(kernel_dir, fake_compiler, csrc_copy,
+                                                      monkeypatch, caplog):
+    stems = csrc.kernel_stems()
+    # Every source builds as a library, except the kernels the decoder compiles with its own.
+    assert sorted(stems + list(csrc.BUNDLED)) == sorted(p.stem for p in csrc_copy.glob("*.cpp"))
+    assert set(csrc.BUNDLED.values()) <= set(stems)
+    assert csrc.unbuilt_kernels() == stems  # an empty kernel folder: nothing is built
     monkeypatch.setattr(csrc, "load_all_extensions", lambda: {})
+
     with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
         csrc.prepare_cpu_kernels()
-    assert sorted(built) == stems
+    assert sorted(fake_compiler) == stems
     assert f"building {len(stems)} CPU kernels, one time" in caplog.text
     assert "CPU kernels built in" in caplog.text
     assert csrc.unbuilt_kernels() == []
 
     caplog.clear()
-    built.clear()
+    fake_compiler.clear()
     with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
         csrc.prepare_cpu_kernels()
-    assert built == [] and "building" not in caplog.text
+    assert fake_compiler == [] and "building" not in caplog.text
 
-    # A library older than a file it compiles (an upgrade, here of a header the decoder
-    # includes through another kernel file) is rebuilt, announced, not silently on load.
+    # A changed file a library compiles (an upgrade; here a translation unit only the
+    # decoder's library has) is a library of another name, built, announced.
     decoder = "llama_decode_cpu"
     assert {"lite_tensor.h", "lite_bind.h", "paged_attention_cpu.cpp", "cpu_vec.h"} <= {
-        p.name for p in csrc._sources_of(decoder)}
-    import os
-
-    os.utime(csrc._built_library(decoder), (0, 0))
-    assert csrc.unbuilt_kernels() == [decoder]
+        p.name for p in csrc.sources_of(csrc.library_sources(decoder))}
+    old = csrc.library_path(decoder)
+    with open(csrc_copy / "paged_attention_cpu.cpp", "a") as f:
+        f.write("\n// changed\n")
+    build._kernel_key.cache_clear()
+    assert csrc.library_path(decoder) != old and csrc.unbuilt_kernels() == [decoder]
     with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
         csrc.prepare_cpu_kernels()
-    assert built == [decoder] and "building 1 CPU kernels, one time" in caplog.text
+    assert fake_compiler == [decoder] and "building 1 CPU kernels, one time" in caplog.text
+
+
+def test_a_build_held_by_another_process_is_waited_for_and_said(kernel_dir, fake_compiler,
+                                                                  caplog):
+    """The flock is the kernel's: the holder's death releases it, however it dies. A held
+    one means a build is running: the waiter says who holds it, waits, and builds nothing
+    the holder built."""
+    library = csrc.library_path("sampler_cpu")
+    library.parent.mkdir(parents=True)
+    holder = open(library.with_suffix(".lock"), "a+")
+    fcntl.flock(holder, fcntl.LOCK_EX)
+    holder.write("pid 1 (started by pip install) since 12:00:00\n")
+    holder.flush()
+    done = threading.Event()
+
+    def start():
+        csrc.ensure_built(["sampler_cpu"], on_wait=csrc._waiting)
+        done.set()
+
+    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+        thread = threading.Thread(target=start)
+        thread.start()
+        assert not done.wait(1.0)
+        assert ("waiting for another process building the CPU kernels sampler_cpu "
+                "(pid 1 (started by pip install) since 12:00:00)") in caplog.text
+        library.write_bytes(b"")  # the holder's build, complete
+        holder.close()
+        thread.join(30)
+    assert done.is_set() and fake_compiler == []
+
+
+def test_the_install_build_leaves_a_held_build_to_its_holder(kernel_dir, fake_compiler):
+    """`build.py --install` (pip's background build) never waits: what another process is
+    building is left to it, the rest is built, and the log says what happened."""
+    lock = csrc.library_path("sampler_cpu").with_suffix(".lock")
+    lock.parent.mkdir(parents=True)
+    with open(lock, "a+") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        assert build.main(["--install"]) == 0
+    assert sorted(fake_compiler) == sorted(set(csrc.kernel_stems()) - {"sampler_cpu"})
+    log = (kernel_dir / "install.log").read_text()
+    assert "building llama_decode_cpu, prefill_attention_cpu" in log and "done in" in log
+    assert build.main(["--install"]) == 0  # a second run has nothing to do
+    assert "sampler_cpu" in fake_compiler
+
+
+def test_a_compile_error_is_said_and_leaves_nothing_behind(kernel_dir, csrc_copy, caplog):
+    source = csrc_copy / "sampler_cpu.cpp"
+    source.write_text('#error "a broken kernel"\n' + source.read_text())
+    result = csrc.ensure_built(["sampler_cpu"])["sampler_cpu"]
+    assert isinstance(result, csrc.BuildError)
+    assert "exited with 1 building 0_sampler_cpu.o" in str(result) and "a broken kernel" in str(result)
+    assert [p.suffix for p in kernel_dir.iterdir()] == [".lock"]  # no library, no objects
+
+    csrc.load_extension.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+            assert csrc.load_extension("sampler_cpu") is None
+    finally:
+        csrc.load_extension.cache_clear()
+    assert "CPU kernels sampler_cpu unavailable (BuildError" in caplog.text
+
+
+def test_a_library_builds_and_loads_with_the_compiler_alone(kernel_dir, csrc_copy, monkeypatch):
+    """A real build of the smallest kernel into an empty folder, with no torch in the
+    builder's process (it is what pip's build backend runs), then loaded by this one."""
+    import subprocess
+    import sys
+
+    script = Path(build.__file__)
+    code = ("import sys; sys.modules['torch'] = None; "  # an import of torch would fail
+            f"sys.path.insert(0, {str(script.parent)!r}); import build; "
+            f"build.CSRC_DIR = build.Path({str(csrc_copy)!r}); "
+            "r = build.ensure_built(['sampler_cpu']); print(r['sampler_cpu'])")
+    done = subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                          timeout=300, env={"PAGEDLM_KERNEL_DIR": str(kernel_dir),
+                                            "PATH": "/usr/bin:/bin:/usr/local/bin"})
+    assert done.returncode == 0, done.stderr
+    assert Path(done.stdout.strip()) == csrc.library_path("sampler_cpu")
+    assert sorted(p.suffix for p in kernel_dir.iterdir()) == [".lock", ".so"]
+    csrc.load_extension.cache_clear()
+    try:
+        module = csrc.load_extension("sampler_cpu")
+        assert module is not None and module.__file__ == str(csrc.library_path("sampler_cpu"))
+    finally:
+        csrc.load_extension.cache_clear()
+
+
+def test_the_kernel_folder(monkeypatch, tmp_path):
+    for name in ("PAGEDLM_KERNEL_DIR", "PAGEDLM_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert csrc.kernel_dir() == tmp_path / ".cache" / "pagedlm" / "kernels"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert csrc.kernel_dir() == tmp_path / "xdg" / "pagedlm" / "kernels"
+    monkeypatch.setenv("PAGEDLM_CACHE_DIR", str(tmp_path / "c"))
+    assert csrc.kernel_dir() == tmp_path / "c" / "kernels"
+    monkeypatch.setenv("PAGEDLM_KERNEL_DIR", str(tmp_path / "k"))
+    assert csrc.kernel_dir() == tmp_path / "k"
 
 
 def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch):
@@ -64,72 +197,3 @@ def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch
 
     LLM(tiny_llama_dir, skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=128)
     assert calls == ["prepared"]
-
-
-def test_a_killed_build_leaves_no_lock_to_wait_on_forever(tmp_path, monkeypatch, caplog):
-    """torch's builder waits, silently and forever, on the lock file a killed builder left.
-    Builds take an flock of ours first, which the kernel releases when its holder dies:
-    one held means a build is running (said, and waited for); none held means torch's file
-    is stale (removed, and said)."""
-    import fcntl
-    import threading
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    folder = csrc._built_library("sampler_cpu").parent
-    folder.mkdir(parents=True)
-    (folder / "lock").touch()  # what a builder killed inside torch's load() leaves
-    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
-        with csrc._build_lock("sampler_cpu"):
-            assert not (folder / "lock").exists()
-    assert "removing the build lock" in caplog.text
-
-    # Another builder holds the flock: this one says so and waits until it lets go.
-    caplog.clear()
-    holder = open(folder / "pagedlm.flock", "a")
-    fcntl.flock(holder, fcntl.LOCK_EX)
-    entered = threading.Event()
-
-    def build():
-        with csrc._build_lock("sampler_cpu"):
-            entered.set()
-
-    with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
-        thread = threading.Thread(target=build)
-        thread.start()
-        assert not entered.wait(1.0)
-        assert "waiting for another process building the sampler_cpu" in caplog.text
-        holder.close()  # as the holder's death would: the kernel drops its flock
-        thread.join(30)
-    assert entered.is_set()
-
-
-def test_a_second_checkout_gets_kernel_names_of_its_own(tmp_path, monkeypatch):
-    """torch's builder keys a build by its name alone: sources in another directory under
-    the same name would rebuild it silently on every switch, so the name carries the
-    directory (and the CPU's flags)."""
-    here = csrc.extension_name("sampler_cpu")
-    assert here == csrc.extension_name("sampler_cpu")  # stable within a checkout
-    monkeypatch.setattr(csrc, "CSRC_DIR", tmp_path)
-    csrc._build_tag.cache_clear()
-    try:
-        elsewhere = csrc.extension_name("sampler_cpu")
-    finally:
-        monkeypatch.undo()
-        csrc._build_tag.cache_clear()
-    assert elsewhere != here and elsewhere.startswith("pagedlm_sampler_cpu_")
-    assert csrc.extension_name("sampler_cpu") == here
-
-
-def test_the_library_path_is_where_torchs_builder_puts_it(tmp_path, monkeypatch):
-    """With TORCH_EXTENSIONS_DIR set torch builds in it directly, without the per-Python
-    folder it adds under its default root: a path of our own that differed made every
-    start announce (and lock) a build of kernels that were already built."""
-    from torch.utils.cpp_extension import _get_build_directory
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    name = csrc.extension_name("sampler_cpu")
-    assert csrc._built_library("sampler_cpu").parent == tmp_path / name
-    assert str(csrc._built_library("sampler_cpu").parent) == _get_build_directory(name, False)
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert str(csrc._built_library("sampler_cpu").parent) == _get_build_directory(name, False)

@@ -9,18 +9,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedlm.csrc import CFLAGS, CSRC_DIR, LDFLAGS, _build_tag
+from pagedlm.csrc import CFLAGS, LDFLAGS, _import_library, build_library, kernel_dir, library_key
 
 HERE = Path(__file__).resolve().parent
 
 
 def build(march: str):
-    from torch.utils.cpp_extension import load
-
     flags = [f"-march={march}" if f.startswith("-march") else f for f in CFLAGS]
-    return load(name=f"pagedlm_lite_check_{march.replace('-', '_')}_{_build_tag()}",
-                sources=[str(HERE / "csrc" / "lite_check.cpp")], extra_include_paths=[str(CSRC_DIR)],
-                extra_cflags=flags, extra_ldflags=list(LDFLAGS))
+    sources = [HERE / "csrc" / "lite_check.cpp"]
+    name = f"pagedlm_lite_check_{march.replace('-', '_')}_{library_key(sources, flags, LDFLAGS)}"
+    out = kernel_dir() / f"{name}.so"
+    if not out.exists():
+        build_library(name, sources, out, cflags=flags)
+    return _import_library(name, str(out))
 
 
 # Native: F16C's conversions where the CPU has them; x86-64: the integer arithmetic that

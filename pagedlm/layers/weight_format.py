@@ -109,7 +109,7 @@ def _q8_chooser(model: nn.Module, count):
     kernels = q8_kernels()
     panels = panel_kernels()
     if kernels is None or panels is None:
-        raise ValueError("weight_dtype='q8' needs the C++ CPU kernels (a C++ compiler and ninja)")
+        raise ValueError("weight_dtype='q8' needs the C++ CPU kernels (a C++ compiler)")
     _check_tp_alignment(model)
 
     def q8(weight: torch.Tensor) -> WeightKernel:
