@@ -197,3 +197,33 @@ def test_the_engine_prepares_them_before_it_is_ready(tiny_llama_dir, monkeypatch
 
     LLM(tiny_llama_dir, skip_tokenizer_init=True, kv_cache_memory=8 << 20, max_model_len=128)
     assert calls == ["prepared"]
+
+
+def test_no_compiler_is_one_clear_line_and_the_torch_path(kernel_dir, monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "no-such-c++")
+    csrc.load_extension.cache_clear()
+    monkeypatch.setattr(csrc, "_failed", {})
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+            csrc.prepare_cpu_kernels()
+            assert csrc.load_extension("sampler_cpu") is None
+    finally:
+        csrc.load_extension.cache_clear()
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["CPU kernels llama_decode_cpu, prefill_attention_cpu, sampler_cpu "
+                     "unavailable: no C++ compiler ('no-such-c++' is not on the PATH: install "
+                     "one, e.g. `apt install g++`, or name it in CXX); using the slower torch "
+                     "path"]
+
+    # Loaded alone (no prepare first), a kernel says the same of itself.
+    caplog.clear()
+    monkeypatch.setattr(csrc, "_failed", {})
+    try:
+        with caplog.at_level(logging.WARNING, logger="pagedlm.csrc"):
+            assert csrc.load_extension("sampler_cpu") is None
+    finally:
+        csrc.load_extension.cache_clear()
+    assert [r.getMessage() for r in caplog.records] == [
+        "CPU kernels sampler_cpu unavailable (BuildError: no C++ compiler: 'no-such-c++' is "
+        "not on the PATH (install one, e.g. `apt install g++`, or name it in CXX)); using the "
+        "torch path"]

@@ -18,6 +18,7 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -29,6 +30,7 @@ from pagedlm.csrc.build import (  # noqa: F401 - the kernels' build, re-exported
     LIBRARY_SOURCES,
     BuildError,
     build_library,
+    compiler,
     ensure_built,
     extension_name,
     kernel_dir,
@@ -60,6 +62,10 @@ def _import_library(name: str, path: str) -> ModuleType:
     return module
 
 
+# Kernels whose build failed in this process (prepare_cpu_kernels): not tried again.
+_failed: dict[str, BuildError] = {}
+
+
 def _waiting(stems: list[str], holder: str) -> None:
     logger.warning("waiting for another process building the CPU kernels %s (%s)",
                    ", ".join(stems), holder or "no details")
@@ -76,6 +82,8 @@ def load_extension(stem: str) -> ModuleType | None:
     prebuilt = json.loads(os.environ.get(PREBUILT_ENV, "{}")).get(stem)
     if prebuilt is not None:
         return _import_library(Path(prebuilt).stem, prebuilt)  # the file's name is the module's
+    if stem in _failed:
+        return None  # prepare_cpu_kernels has said why
     try:
         built = ensure_built([stem], on_wait=_waiting)[stem]
         if isinstance(built, BuildError):
@@ -100,7 +108,13 @@ def prepare_cpu_kernels() -> None:
     no-op when they are built (or disabled)."""
     if os.environ.get(DISABLE_ENV) or os.environ.get(PREBUILT_ENV):
         return
-    if unbuilt_kernels():
+    missing = unbuilt_kernels()
+    if missing and shutil.which(compiler()) is None:
+        _failed.update(dict.fromkeys(missing, BuildError("no C++ compiler")))
+        logger.warning("CPU kernels %s unavailable: no C++ compiler (%r is not on the PATH: "
+                       "install one, e.g. `apt install g++`, or name it in CXX); using the "
+                       "slower torch path", ", ".join(missing), compiler())
+    elif missing:
         import time
 
         start = time.perf_counter()
@@ -111,9 +125,18 @@ def prepare_cpu_kernels() -> None:
             logger.warning("building %d CPU kernels, one time (about 15-20 s on two cores; "
                            "cached for later starts): %s", len(stems), ", ".join(stems))
 
-        ensure_built(kernel_stems(), on_build=building, on_wait=_waiting)
-        logger.warning("CPU kernels %s in %.0f s", "built" if built else "ready",
-                       time.perf_counter() - start)
+        try:
+            result = ensure_built(kernel_stems(), on_build=building, on_wait=_waiting)
+        except Exception as e:  # a read-only kernel folder, ...: each load says it again
+            result = dict.fromkeys(kernel_stems(), BuildError(f"{type(e).__name__}: {e}"))
+        for stem, error in result.items():
+            if isinstance(error, BuildError):
+                _failed[stem] = error
+                logger.warning("CPU kernels %s unavailable (%s); using the torch path", stem,
+                               error)
+        if len(_failed) < len(result):
+            logger.warning("CPU kernels %s in %.0f s", "built" if built else "ready",
+                           time.perf_counter() - start)
     load_all_extensions()
 
 

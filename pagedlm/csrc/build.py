@@ -156,6 +156,10 @@ def _build_all(libraries: dict[str, tuple[list[Path], Path]], cflags: list[str],
     """Every translation unit of every library in one pool, the longest first so that no
     core is left alone with it at the end; each library linked once its units are done."""
     cxx = compiler()
+    if shutil.which(cxx) is None:
+        error = BuildError(f"no C++ compiler: {cxx!r} is not on the PATH (install one, e.g. "
+                           "`apt install g++`, or name it in CXX)")
+        return dict.fromkeys(libraries, error)
     includes = [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC_DIR}",
                 *(f"-I{path}" for path in include_dirs)]
     work = []
@@ -286,6 +290,10 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     os.environ.setdefault("PAGEDLM_BUILD_BY", "started by pip install")
+    # The lowest priority, for this process and its compilers: pip's own work (unpacking
+    # torch) comes first, the build takes the CPU pip leaves (its waits on the network).
+    with contextlib.suppress(OSError):
+        os.nice(19)
     log = kernel_dir() / "install.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
