@@ -43,8 +43,9 @@ def core_process_main(conn, args: EngineArgs, max_num_queued_requests: int | Non
     except (EOFError, OSError):
         return  # the frontend gave up before taking us over (a bad argument, Ctrl-C)
     try:
-        core = EngineCore(args, resolve_model_source(args.model, args.revision),
-                          eos_token_ids)
+        source = resolve_model_source(args.model, args.revision)
+        logger.info("engine core: loading %s", source.path)
+        core = EngineCore(args, source, eos_token_ids)
     except BaseException as e:
         logger.exception("the engine core failed to start")
         conn.send(("error", type(e).__name__, str(e)))

@@ -116,6 +116,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.enable_prefix_caching is not None:
         kwargs["enable_prefix_caching"] = args.enable_prefix_caching
     check_port_free(args.host, args.port)  # before minutes of loading, not after
+    logging.getLogger("pagedlm.entrypoints.cli").info(
+        "starting: the engine core loads %s in its own process while this one starts the "
+        "server", kwargs.get("model") or "the default model")
     # The engine core's process starts now (fetching the model first if need be): its
     # imports and model load run while this process imports the server and loads the
     # tokenizer, instead of after.
