@@ -227,3 +227,36 @@ def test_no_compiler_is_one_clear_line_and_the_torch_path(kernel_dir, monkeypatc
         "CPU kernels sampler_cpu unavailable (BuildError: no C++ compiler: 'no-such-c++' is "
         "not on the PATH (install one, e.g. `apt install g++`, or name it in CXX)); using the "
         "torch path"]
+
+
+def test_old_libraries_of_a_kernel_are_pruned(kernel_dir, fake_compiler, csrc_copy):
+    """Every change of a kernel's sources is a library of its own: building one deletes
+    all but the newest few of that kernel (other kernels' are kept)."""
+    import os
+
+    kernel_dir.mkdir()
+    old = []
+    for i in range(6):
+        path = kernel_dir / f"pagedlm_sampler_cpu_{i:012d}.so"
+        path.write_bytes(b"")
+        path.with_suffix(".lock").write_text("")
+        os.utime(path, (1000 + i, 1000 + i))
+        old.append(path)
+    other = kernel_dir / f"pagedlm_prefill_attention_cpu_{0:012d}.so"
+    other.write_bytes(b"")
+    os.utime(other, (1, 1))
+    csrc.ensure_built(["sampler_cpu"])
+    kept = sorted(p.name for p in kernel_dir.glob("pagedlm_sampler_cpu_*.so"))
+    assert kept == sorted([csrc.library_path("sampler_cpu").name] + [p.name for p in old[-3:]])
+    assert not old[0].with_suffix(".lock").exists() and old[-1].with_suffix(".lock").exists()
+    assert other.exists()
+
+
+def test_no_python_headers_is_said(kernel_dir, csrc_copy, monkeypatch, tmp_path):
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {**paths, "include": str(tmp_path)})
+    result = csrc.ensure_built(["sampler_cpu"])["sampler_cpu"]
+    assert str(result) == (f"no Python headers: Python.h is not in {tmp_path} (install them, "
+                           "e.g. `apt install python3-dev`)")

@@ -160,7 +160,12 @@ def _build_all(libraries: dict[str, tuple[list[Path], Path]], cflags: list[str],
         error = BuildError(f"no C++ compiler: {cxx!r} is not on the PATH (install one, e.g. "
                            "`apt install g++`, or name it in CXX)")
         return dict.fromkeys(libraries, error)
-    includes = [f"-I{sysconfig.get_paths()['include']}", f"-I{CSRC_DIR}",
+    python_include = Path(sysconfig.get_paths()["include"])
+    if not (python_include / "Python.h").is_file():
+        error = BuildError(f"no Python headers: Python.h is not in {python_include} (install "
+                           "them, e.g. `apt install python3-dev`)")
+        return dict.fromkeys(libraries, error)
+    includes = [f"-I{python_include}", f"-I{CSRC_DIR}",
                 *(f"-I{path}" for path in include_dirs)]
     work = []
     temp = {}
@@ -280,7 +285,26 @@ def ensure_built(stems: list[str], *, wait: bool = True,
                             for s in todo}, CFLAGS, LDFLAGS, jobs=jobs) if todo else {}
         for stem in held:
             result[stem] = built.get(extension_name(stem), library_path(stem))
+    for stem in todo:
+        if isinstance(result[stem], Path):
+            _prune(stem)
     return result
+
+
+# Libraries kept per kernel: the newest, built from other sources (another checkout, the
+# version before an upgrade); older ones are deleted when a new one is built.
+KEEP_PER_KERNEL = 4
+
+
+def _prune(stem: str) -> None:
+    """Delete all but the KEEP_PER_KERNEL newest libraries of `stem` (a process that has
+    one loaded keeps its mapping)."""
+    libraries = sorted(kernel_dir().glob(f"pagedlm_{stem}_" + "?" * 12 + ".so"),
+                       key=lambda path: path.stat().st_mtime, reverse=True)
+    for old in libraries[KEEP_PER_KERNEL:]:
+        with contextlib.suppress(OSError):
+            old.unlink()
+            old.with_suffix(".lock").unlink(missing_ok=True)
 
 
 def main(argv: list[str]) -> int:
@@ -296,6 +320,9 @@ def main(argv: list[str]) -> int:
         os.nice(19)
     log = kernel_dir() / "install.log"
     log.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(OSError):
+        if log.stat().st_size > 64 << 10:  # a log of every install: the last ones are kept
+            log.write_text("".join(log.read_text().splitlines(keepends=True)[-100:]))
     start = time.monotonic()
     with open(log, "a") as f:
         def say(message: str) -> None:
