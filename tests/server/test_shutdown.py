@@ -156,3 +156,37 @@ def test_shutdown_timeout_ends_the_requests_left_with_an_answer(tmp_path, tiny_m
         assert "shutdown timeout: ended" in server.log()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("busy", [True, False], ids=["a-stream-running", "idle"])
+def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path, tiny_model_dir, busy):
+    """Ctrl-C twice (or SIGTERM twice): the drain is cut short, the process and its engine
+    core exit, and the log says so in one line, with no traceback (idle, the second signal
+    lands while uvicorn shuts down: its lifespan task was cancelled, which uvicorn logged
+    as a failed shutdown with the traceback)."""
+    import psutil
+
+    server = _start(tmp_path, tiny_model_dir, "--shutdown-timeout", "60", "--max-num-seqs", "1")
+    try:
+        server.wait_healthy()
+        children = psutil.Process(server.proc.pid).children(recursive=True)
+        if busy:
+            call = Call(server.url, stream=True, max_tokens=900)
+            call.start()
+            assert call.started.wait(60)
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3 if busy else 0.05)
+        server.proc.send_signal(signal.SIGINT if busy else signal.SIGTERM)
+        server.proc.wait(60)
+        log = server.log()
+        assert "SIGTERM: shutting down" in log, log
+        assert (f"during the drain: stopping now ({int(busy)} running request(s) cut off)"
+                in log), log
+        assert "Traceback" not in log and "ERROR" not in log, log
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, alive
+        if busy:
+            call.join(60)
+            assert call.status == 200
+    finally:
+        server.stop()

@@ -77,6 +77,18 @@ class DrainMiddleware:
         return True
 
 
+def _quiet_cancelled_lifespan(record: logging.LogRecord) -> bool:
+    """On a forced exit the loop's end cancels what still runs: each request handler
+    (uvicorn logs "Exception in ASGI application" with the CancelledError's traceback)
+    and the lifespan task, whose shutdown was skipped (Starlette reports the cancellation
+    as a failed shutdown, which uvicorn logs with the traceback as its message). Tracebacks
+    of a stop the user asked for, and said in one line already; the engine is stopped by
+    run_server's `finally`. Installed on uvicorn's logger once forced."""
+    if record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError):
+        return False
+    return not record.getMessage().rstrip().endswith("CancelledError")
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn.Server whose first SIGTERM/SIGINT drains (see the module docstring)."""
 
@@ -101,7 +113,10 @@ class DrainingServer(uvicorn.Server):
             self._drain_requested = True
             self._loop.call_soon_threadsafe(self._start_drain, sig)
             return
-        logger.warning("%s during the drain: stopping now", signal.Signals(sig).name)
+        logger.warning("%s during the drain: stopping now (%d running request(s) cut off)",
+                       signal.Signals(sig).name, self.drain.in_flight)
+        if not self.forced:
+            logging.getLogger("uvicorn.error").addFilter(_quiet_cancelled_lifespan)
         self.forced = True
         self.should_exit = True
         self.force_exit = True
