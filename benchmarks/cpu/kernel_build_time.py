@@ -1,4 +1,5 @@
-"""A cold build of every CPU kernel: an empty TORCH_EXTENSIONS_DIR, then
+"""A cold build of every CPU kernel: an empty kernel folder (PAGEDLM_KERNEL_DIR, and
+TORCH_EXTENSIONS_DIR for revisions built by torch's builder, before 4909ad2), then
 prepare_cpu_kernels() as an engine's start calls it. Prints the wall time (run it under
 `/usr/bin/time` for the CPU time). To compare two revisions, run it from each checkout:
 
@@ -9,7 +10,8 @@ import os
 import tempfile
 import time
 
-os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="pagedlm-kernels-")
+os.environ["TORCH_EXTENSIONS_DIR"] = os.environ["PAGEDLM_KERNEL_DIR"] = tempfile.mkdtemp(
+    prefix="pagedlm-kernels-")
 
 from pagedlm import csrc  # noqa: E402
 

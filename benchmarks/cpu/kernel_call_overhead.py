@@ -2,9 +2,10 @@
 widths), where the call's own overhead, not the arithmetic, is most of the time: the
 layer kernels the Python layers call one by one, and the sampler's race over a vocabulary.
 Best of five runs of many calls each. To compare two revisions, run it from each
-checkout, each with its own kernel folder:
+checkout, each with its own kernel folder (TORCH_EXTENSIONS_DIR for a revision built by
+torch's builder, before 4909ad2):
 
-    TORCH_EXTENSIONS_DIR=/tmp/k-a PYTHONPATH=. python benchmarks/cpu/kernel_call_overhead.py
+    PAGEDLM_KERNEL_DIR=/tmp/k-a PYTHONPATH=. python benchmarks/cpu/kernel_call_overhead.py
 """
 
 import time
