@@ -260,3 +260,18 @@ def test_no_python_headers_is_said(kernel_dir, csrc_copy, monkeypatch, tmp_path)
     result = csrc.ensure_built(["sampler_cpu"])["sampler_cpu"]
     assert str(result) == (f"no Python headers: Python.h is not in {tmp_path} (install them, "
                            "e.g. `apt install python3-dev`)")
+
+
+def test_a_killed_builders_objects_are_removed_and_wait_builds_in_the_foreground(
+        kernel_dir, fake_compiler, capsys):
+    """A builder killed mid-way (a container step's end kills pip's background build)
+    leaves its object folder: the next build of that library removes it. `build.py
+    --wait` builds what is missing in the foreground and says where each library is."""
+    leftover = kernel_dir / f".{csrc.extension_name('sampler_cpu')}-abc123"
+    leftover.mkdir(parents=True)
+    (leftover / "0_sampler_cpu.o").write_bytes(b"")
+    assert build.main(["--wait"]) == 0
+    assert not leftover.exists()
+    assert sorted(fake_compiler) == sorted(csrc.kernel_stems())
+    out = capsys.readouterr().out
+    assert f"sampler_cpu: {csrc.library_path('sampler_cpu')}" in out

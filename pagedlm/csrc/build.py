@@ -279,6 +279,11 @@ def ensure_built(stems: list[str], *, wait: bool = True,
         return result
     with _locks(missing, wait, on_wait) as held:
         todo = [stem for stem in held if not library_path(stem).exists()]
+        for stem in todo:
+            # Objects a builder killed mid-way left (SIGKILL, a container step's end): under
+            # this library's lock no other process is building it.
+            for folder in kernel_dir().glob(f".{extension_name(stem)}-*"):
+                shutil.rmtree(folder, ignore_errors=True)
         if todo and on_build is not None:
             on_build(todo)
         built = _build_all({extension_name(s): (library_sources(s), library_path(s))
@@ -309,7 +314,16 @@ def _prune(stem: str) -> None:
 
 def main(argv: list[str]) -> int:
     """``--install``: build every missing kernel unless another process is building it,
-    saying what happened in kernel_dir()/install.log."""
+    saying what happened in kernel_dir()/install.log (what pip's install starts).
+    ``--wait``: build every missing kernel, waiting for a build in progress, and print
+    where they are (for a container image: `RUN pip install ... && python
+    pagedlm/csrc/build.py --wait`, since a build in the background dies with the step)."""
+    if argv == ["--wait"]:
+        result = ensure_built(kernel_stems(), on_wait=lambda stems, holder: print(
+            f"waiting for another process building {', '.join(stems)} ({holder})", flush=True))
+        for stem, built in result.items():
+            print(f"{stem}: {built}")
+        return 0 if all(isinstance(v, Path) for v in result.values()) else 1
     if argv != ["--install"]:
         print(__doc__)
         return 2
