@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import multiprocessing.connection
+import os
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -37,6 +38,17 @@ class CoreLaunch:
         self.process.join(timeout)
 
 
+# How long the core's OpenMP threads spin after a parallel region before they sleep
+# (libgomp's GOMP_SPINCOUNT; its default is 300,000 spins). The core shares the machine's
+# cores with the frontend and the clients: a thread spinning through the Python between
+# two kernels holds a core that a frontend's burst then takes from a thread inside the
+# next kernel, and that kernel's other threads wait for it at the barrier. Served
+# ShareGPT-64 at rate inf on the 2-core EPYC VM, default and 10,000 taking turns (8
+# pairs): median 381 -> 415 output tok/s, core CPU time about 65 -> 58 s; 0 (no spin) was
+# worse, 271-293 tok/s. A GOMP_SPINCOUNT of the user's own is kept.
+CORE_GOMP_SPINCOUNT = "10000"
+
+
 def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) -> CoreLaunch:
     """Start the engine core's process for `args`, then fetch the model here if it must be
     (the embedded default on first use, a repo id not in the hub's cache). The process
@@ -49,7 +61,14 @@ def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) ->
     log_levels = (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())
     process = ctx.Process(target=_core_entry, name="pagedlm-engine-core",
                           args=(child_conn, args, max_num_queued_requests, log_levels))
-    process.start()
+    own = "GOMP_SPINCOUNT" not in os.environ
+    if own:
+        os.environ["GOMP_SPINCOUNT"] = CORE_GOMP_SPINCOUNT  # the spawned process's environment
+    try:
+        process.start()
+    finally:
+        if own:
+            os.environ.pop("GOMP_SPINCOUNT", None)
     child_conn.close()
     launch = CoreLaunch(process, conn)
     try:

@@ -5,6 +5,7 @@ server reports it at once (in-flight streams get an error event, new requests a 
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 
@@ -198,3 +199,31 @@ def test_a_failed_model_fetch_lets_the_started_core_process_go(monkeypatch):
     process = launches[0].process
     process.join(120)
     assert not process.is_alive() and process.exitcode == 0
+
+
+@pytest.mark.parametrize("given", [None, "777"])
+def test_the_core_spins_briefly_between_kernels_unless_told_otherwise(monkeypatch, given):
+    """The core's process gets a short OpenMP spin (core_launch.CORE_GOMP_SPINCOUNT), or
+    the user's own GOMP_SPINCOUNT; the launching process's environment is left as it was."""
+    import psutil
+
+    from pagedlm.config import EngineArgs
+    from pagedlm.engine import core_launch
+
+    if given is None:
+        monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    else:
+        monkeypatch.setenv("GOMP_SPINCOUNT", given)
+    monkeypatch.setattr(core_launch, "local_model_path", lambda model, revision=None: model)
+    launch = core_launch.launch_core(EngineArgs(model=None, device="cpu"))
+    try:
+        deadline = time.monotonic() + 30
+        environ: dict = {}
+        while "PATH" not in environ and time.monotonic() < deadline:  # empty while it execs
+            environ = psutil.Process(launch.process.pid).environ()
+            time.sleep(0.05)
+        seen = environ.get("GOMP_SPINCOUNT")
+    finally:
+        launch.abandon(120)
+    assert seen == (given or core_launch.CORE_GOMP_SPINCOUNT)
+    assert os.environ.get("GOMP_SPINCOUNT") == given
