@@ -15,15 +15,7 @@ import sys
 
 import pytest
 
-from pagedlm.csrc import (
-    CFLAGS,
-    LDFLAGS,
-    _import_library,
-    build_library,
-    kernel_dir,
-    library_key,
-    library_sources,
-)
+from pagedlm.csrc import CFLAGS, library_sources, load_variant
 
 # kernel -> (source stem, module whose loader to replace, loader name, test file, -k filter)
 # (q8 and decode live in the decoder's library: csrc/__init__.py BUNDLED)
@@ -45,12 +37,8 @@ def main() -> int:
     for name in names:
         stem, module_name, loader, test_file, select = KERNELS[name]
         flags = [f"-march={march}" if f.startswith("-march") else f for f in CFLAGS]
-        sources = library_sources(stem)
-        lib = f"isa_{stem}_{march.replace('-', '_')}_{library_key(sources, flags, LDFLAGS)}"
-        out = kernel_dir() / f"{lib}.so"
-        if not out.exists():
-            build_library(lib, sources, out, cflags=flags)
-        module = _import_library(lib, str(out))
+        module = load_variant(f"isa_{stem}_{march.replace('-', '_')}", library_sources(stem),
+                              flags)
         # The test files import the loaders' callers, which look the loader up at call time.
         setattr(importlib.import_module(module_name), loader, lambda module=module: module)
         print(f"== {name}: {stem}.cpp built with -march={march}", flush=True)

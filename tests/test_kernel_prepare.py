@@ -30,7 +30,7 @@ def fake_compiler(monkeypatch):
     """_build_all writing empty libraries, recording which it was asked for."""
     built: list[str] = []
 
-    def build_all(libraries, cflags, ldflags, include_dirs=(), jobs=None):
+    def build_all(libraries, cflags, ldflags):
         for name, (_, out) in libraries.items():
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_bytes(b"")

@@ -9,19 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedlm.csrc import CFLAGS, LDFLAGS, _import_library, build_library, kernel_dir, library_key
+from pagedlm.csrc import CFLAGS, load_variant
 
 HERE = Path(__file__).resolve().parent
 
 
 def build(march: str):
     flags = [f"-march={march}" if f.startswith("-march") else f for f in CFLAGS]
-    sources = [HERE / "csrc" / "lite_check.cpp"]
-    name = f"pagedlm_lite_check_{march.replace('-', '_')}_{library_key(sources, flags, LDFLAGS)}"
-    out = kernel_dir() / f"{name}.so"
-    if not out.exists():
-        build_library(name, sources, out, cflags=flags)
-    return _import_library(name, str(out))
+    return load_variant(f"pagedlm_lite_check_{march.replace('-', '_')}",
+                        [HERE / "csrc" / "lite_check.cpp"], flags)
 
 
 # Native: F16C's conversions where the CPU has them; x86-64: the integer arithmetic that

@@ -28,6 +28,7 @@ from pagedlm.csrc.build import (  # noqa: F401 - the kernels' build, re-exported
     CSRC_DIR,
     LDFLAGS,
     LIBRARY_SOURCES,
+    NO_COMPILER_FIX,
     BuildError,
     build_library,
     compiler,
@@ -60,6 +61,17 @@ def _import_library(name: str, path: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_variant(prefix: str, sources: list[Path], cflags: list[str]) -> ModuleType:
+    """`sources` built with `cflags` instead of the kernels' own (another -march: the ISA
+    builds of tests/isa_builds.py and test_lite_tensor), named `prefix`_<key>, built once
+    into the kernel folder and imported. Raises BuildError when it does not build."""
+    name = f"{prefix}_{library_key(sources, cflags, LDFLAGS)}"
+    out = kernel_dir() / f"{name}.so"
+    if not out.exists():
+        build_library(name, sources, out, cflags=cflags)
+    return _import_library(name, str(out))
 
 
 # Kernels whose build failed in this process (prepare_cpu_kernels): not tried again.
@@ -112,8 +124,8 @@ def prepare_cpu_kernels() -> None:
     if missing and shutil.which(compiler()) is None:
         _failed.update(dict.fromkeys(missing, BuildError("no C++ compiler")))
         logger.warning("CPU kernels %s unavailable: no C++ compiler (%r is not on the PATH: "
-                       "install one, e.g. `apt install g++`, or name it in CXX); using the "
-                       "slower torch path", ", ".join(missing), compiler())
+                       "%s); using the slower torch path", ", ".join(missing), compiler(),
+                       NO_COMPILER_FIX)
     elif missing:
         import time
 

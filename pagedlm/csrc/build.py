@@ -42,6 +42,10 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fvisibility=hidden"]
 LDFLAGS = ["-fopenmp"]
 # Flags every library needs whatever the caller's: a Python extension module in C++20.
 BASE_CFLAGS = ["-fPIC", "-std=c++20"]
+# Hex digits of a library's key in its name.
+KEY_LENGTH = 12
+# What to do without a compiler (both the build's error and the engine's warning say it).
+NO_COMPILER_FIX = "install one, e.g. `apt install g++`, or name it in CXX"
 
 # Kernel files llama_decode_cpu.cpp #includes: no library of their own, the decoder's
 # exports their functions (each file's bind_<stem>).
@@ -122,7 +126,7 @@ def library_key(sources: list[Path], cflags: list[str], ldflags: list[str]) -> s
     for path in sorted(sources_of(sources)):
         digest.update(f"\0{path.name}\0".encode())
         digest.update(path.read_bytes())
-    return digest.hexdigest()[:12]
+    return digest.hexdigest()[:KEY_LENGTH]
 
 
 @functools.cache
@@ -140,33 +144,29 @@ def library_path(stem: str) -> Path:
 
 
 def build_library(name: str, sources: list[Path], out: Path, *, cflags: list[str] = CFLAGS,
-                  ldflags: list[str] = LDFLAGS, include_dirs: tuple[Path, ...] = (),
-                  jobs: int | None = None) -> Path:
+                  ldflags: list[str] = LDFLAGS) -> Path:
     """Compile `sources` (in parallel) and link them into the extension module `name` at
     `out`, which appears only when complete."""
-    built = _build_all({name: (sources, out)}, cflags, ldflags, include_dirs, jobs)
+    built = _build_all({name: (sources, out)}, cflags, ldflags)
     if isinstance(built[name], BuildError):
         raise built[name]
     return out
 
 
 def _build_all(libraries: dict[str, tuple[list[Path], Path]], cflags: list[str],
-               ldflags: list[str], include_dirs: tuple[Path, ...] = (),
-               jobs: int | None = None) -> dict[str, Path | BuildError]:
+               ldflags: list[str]) -> dict[str, Path | BuildError]:
     """Every translation unit of every library in one pool, the longest first so that no
     core is left alone with it at the end; each library linked once its units are done."""
     cxx = compiler()
     if shutil.which(cxx) is None:
-        error = BuildError(f"no C++ compiler: {cxx!r} is not on the PATH (install one, e.g. "
-                           "`apt install g++`, or name it in CXX)")
+        error = BuildError(f"no C++ compiler: {cxx!r} is not on the PATH ({NO_COMPILER_FIX})")
         return dict.fromkeys(libraries, error)
     python_include = Path(sysconfig.get_paths()["include"])
     if not (python_include / "Python.h").is_file():
         error = BuildError(f"no Python headers: Python.h is not in {python_include} (install "
                            "them, e.g. `apt install python3-dev`)")
         return dict.fromkeys(libraries, error)
-    includes = [f"-I{python_include}", f"-I{CSRC_DIR}",
-                *(f"-I{path}" for path in include_dirs)]
+    includes = [f"-I{python_include}", f"-I{CSRC_DIR}"]
     work = []
     temp = {}
     for name, (sources, out) in libraries.items():
@@ -187,8 +187,7 @@ def _build_all(libraries: dict[str, tuple[list[Path], Path]], cflags: list[str],
             return name, obj, f"{argv[0]}: {e}"
         return name, obj, None if run.returncode == 0 else _tail(argv, run)
 
-    if jobs is None:
-        jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    jobs = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     results: dict[str, Path | BuildError] = {}
     try:
         with ThreadPoolExecutor(max(1, min(len(work), jobs or 1))) as pool:
@@ -262,8 +261,8 @@ def _who() -> str:
 
 def ensure_built(stems: list[str], *, wait: bool = True,
                  on_build: Callable[[list[str]], None] | None = None,
-                 on_wait: Callable[[list[str], str], None] | None = None,
-                 jobs: int | None = None) -> dict[str, Path | BuildError]:
+                 on_wait: Callable[[list[str], str], None] | None = None
+                 ) -> dict[str, Path | BuildError]:
     """Build the kernel libraries of `stems` that do not exist yet, together; {stem: its
     library, or the BuildError that stopped it}. A library another process is building is
     waited for (on_wait is told which, and what the holder wrote in the lock) or, without
@@ -287,7 +286,7 @@ def ensure_built(stems: list[str], *, wait: bool = True,
         if todo and on_build is not None:
             on_build(todo)
         built = _build_all({extension_name(s): (library_sources(s), library_path(s))
-                            for s in todo}, CFLAGS, LDFLAGS, jobs=jobs) if todo else {}
+                            for s in todo}, CFLAGS, LDFLAGS) if todo else {}
         for stem in held:
             result[stem] = built.get(extension_name(stem), library_path(stem))
     for stem in todo:
@@ -304,7 +303,7 @@ KEEP_PER_KERNEL = 4
 def _prune(stem: str) -> None:
     """Delete all but the KEEP_PER_KERNEL newest libraries of `stem` (a process that has
     one loaded keeps its mapping)."""
-    libraries = sorted(kernel_dir().glob(f"pagedlm_{stem}_" + "?" * 12 + ".so"),
+    libraries = sorted(kernel_dir().glob(f"pagedlm_{stem}_" + "?" * KEY_LENGTH + ".so"),
                        key=lambda path: path.stat().st_mtime, reverse=True)
     for old in libraries[KEEP_PER_KERNEL:]:
         with contextlib.suppress(OSError):
