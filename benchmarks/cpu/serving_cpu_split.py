@@ -4,9 +4,11 @@ process, its engine core process and the load client during one `pagedlm bench s
 EOS ignored), with the run's output tok/s and TPOT.
 
 usage: python benchmarks/cpu/serving_cpu_split.py LABEL [--request-rate inf]
-           [--frontend-nice N] [--client-nice N]
-(--frontend-nice sets PAGEDLM_FRONTEND_NICE for the server; the client's figure covers its
-whole life, dataset tokenisation included.)
+           [--frontend-nice N] [--client-nice N] [--env KEY=VALUE ...]
+(--frontend-nice sets PAGEDLM_FRONTEND_NICE for the server; --env sets any variable in the
+server's environment, e.g. GOMP_SPINCOUNT=0; the client's figure covers its whole life,
+dataset tokenisation included.) To compare two revisions, run it from each checkout, taking
+turns.
 """
 
 from __future__ import annotations
@@ -35,8 +37,10 @@ def main() -> None:
     parser.add_argument("--request-rate", default="inf")
     parser.add_argument("--frontend-nice", type=int, default=None)
     parser.add_argument("--client-nice", type=int, default=0)
+    parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     args = parser.parse_args()
     env = dict(os.environ)
+    env.update(item.split("=", 1) for item in args.env)
     if args.frontend_nice is not None:
         env["PAGEDLM_FRONTEND_NICE"] = str(args.frontend_nice)
     with socket.socket() as s:
