@@ -20,7 +20,7 @@ KV_DTYPE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3"}
 DEVICES = ("auto", "cpu", "cuda")
 WEIGHT_DTYPES = ("auto", "float16", "q8")
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
-EXECUTOR_BACKENDS = ("mp", "ray")
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
 
 
 def _check_positive(name: str, value: int | None, allow_none: bool = False) -> None:
@@ -65,8 +65,9 @@ class EngineArgs:
     # Ranks the model is split over (its heads, MLP and vocabulary), one worker process
     # each; 1 = everything in the engine's process.
     tensor_parallel_size: int = 1
-    # mp: worker processes on this machine; ray: actors on the nodes of a Ray cluster
-    distributed_executor_backend: str = "mp"
+    # uni: the engine's own process (1 rank only); mp: worker processes on this machine;
+    # ray: actors on the nodes of a Ray cluster; None: uni for 1 rank, else mp (as vLLM)
+    distributed_executor_backend: str | None = None
     # Speculative decoding: a SpeculativeConfig, its dict or its JSON text (vLLM's keys),
     # e.g. {"method": "ngram", "num_speculative_tokens": 4}; None = off
     speculative_config: SpeculativeConfig | dict | str | None = None
@@ -108,9 +109,13 @@ class EngineArgs:
         if self.max_lora_rank > MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be at most {MAX_LORA_RANK}, got "
                              f"{self.max_lora_rank}")
-        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(f"distributed_executor_backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size != 1:
+            raise ValueError("distributed_executor_backend='uni' runs the model in the engine's "
+                             "own process: it takes tensor_parallel_size 1, got "
+                             f"{self.tensor_parallel_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

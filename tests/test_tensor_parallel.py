@@ -99,6 +99,29 @@ def test_two_ranks_sampling_chunking_prefix_hits_and_preemption(tiny_llama_dir):
     llm.llm_engine.shutdown()
 
 
+def test_one_rank_in_a_worker_process_equals_the_engine_process(tiny_llama_dir):
+    """`mp` named with one rank runs that rank in a process of its own (the path a one-GPU
+    machine takes through the executor); left unnamed, one rank stays in this process."""
+    from pagedlm.executor import MultiprocExecutor, UniProcExecutor
+
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, n=2)
+    here = _llm(tiny_llama_dir, 1)
+    assert isinstance(here.llm_engine.model_executor, UniProcExecutor)
+    before = _children()
+    apart = _llm(tiny_llama_dir, 1, distributed_executor_backend="mp")
+    assert isinstance(apart.llm_engine.model_executor, MultiprocExecutor)
+    assert len(_children() - before) == 1
+    assert _run(apart, params)[0] == _run(here, params)[0]
+    apart.llm_engine.shutdown()
+    assert _children() <= before
+
+
+def test_the_in_process_backend_takes_one_rank_only(tiny_llama_dir):
+    with pytest.raises(ValueError, match="distributed_executor_backend='uni' .* "
+                                         "tensor_parallel_size 1, got 2"):
+        _llm(tiny_llama_dir, 2, distributed_executor_backend="uni")
+
+
 def test_heads_that_do_not_divide_are_refused_at_start(tiny_llama_dir):
     before = _children()
     with pytest.raises(ValueError, match="num_attention_heads \\(4\\) is not divisible by the "

@@ -95,10 +95,11 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads, MLP and vocabulary over this many ranks, one "
                         "worker process each (gloo on CPU, NCCL on GPUs)")
-    g.add_argument("--distributed-executor-backend", default="mp", choices=["mp", "ray"],
-                   help="how ranks run: mp = worker processes on this machine; ray = actors "
-                        "on the nodes of a running Ray cluster (ray start; RAY_ADDRESS), "
-                        "for several machines")
+    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                   help="how ranks run: uni = in the engine's process (1 rank); mp = worker "
+                        "processes on this machine; ray = actors on the nodes of a running Ray "
+                        "cluster (ray start; RAY_ADDRESS), for several machines (default: uni "
+                        "for 1 rank, else mp)")
     g.add_argument("--attention-backend", default="auto",
                    choices=["auto", "cpu", "torch", "triton", "reference"],
                    help="paged-attention implementation (auto: the C++ kernels on CPU, torch on "

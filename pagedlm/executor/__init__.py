@@ -9,9 +9,15 @@ __all__ = ["Executor", "MultiprocExecutor", "RayExecutor", "UniProcExecutor", "W
 
 
 def make_executor(args, source) -> Executor:
-    """The executor `args` ask for: Ray actors, one process per rank, or this process."""
-    if args.distributed_executor_backend == "ray":
+    """The executor `args` ask for: Ray actors, one process per rank, or this process. Left
+    unnamed, one rank runs in this process and several in worker processes; `mp` named with
+    one rank still gives that rank a process of its own (the model's faults and memory kept
+    apart from the engine's)."""
+    backend = args.distributed_executor_backend
+    if backend is None:
+        backend = "uni" if args.tensor_parallel_size == 1 else "mp"
+    if backend == "ray":
         return RayExecutor(args)
-    if args.tensor_parallel_size == 1:
+    if backend == "uni":
         return UniProcExecutor(args, source)
     return MultiprocExecutor(args)
