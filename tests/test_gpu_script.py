@@ -90,7 +90,7 @@ def _requests_file(tmp_path, n=5):
     return str(path), rows
 
 
-@pytest.mark.parametrize("which", ["pagedlm_eager", "hf_static", "hf_cb"])
+@pytest.mark.parametrize("which", ["pagedlm_eager", "pagedlm_graphs_mp", "hf_static", "hf_cb"])
 def test_heavy_runs_work_on_cpu(tmp_path, monkeypatch, which):
     """The GPU machine is lent rarely and briefly: each heavy run (the same code, a tiny
     model, DEVICE='cpu') must already work here, reading prepared requests as token ids."""

@@ -79,6 +79,12 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
         got = greedy(str(tiny), device="cuda", attention_backend="triton", enforce_eager=eager)
         res[f"tiny HF model: CUDA triton, {mode} == CPU torch path"] = got == cpu_ref
         res[f"tiny HF model: CUDA triton, {mode} == HF transformers"] = got == hf_tokens
+    # One rank in a worker process of its own (the multiprocess executor, NCCL): what a
+    # one-GPU machine can check of tensor parallelism's path.
+    got = greedy(str(tiny), device="cuda", attention_backend="triton",
+                 distributed_executor_backend="mp")
+    res["tiny HF model: CUDA triton, CUDA graphs, rank in a worker process (NCCL) == in process"] = (
+        got == greedy(str(tiny), device="cuda", attention_backend="triton"))
     # Dummy weights are drawn per device, so the CUDA runs are compared with each other
     # and with the torch backend on the same device.
     dummy = write_model_dir(tmp / "dummy", {**tiny_cfg, "architectures": ["LlamaForCausalLM"],

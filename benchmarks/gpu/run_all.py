@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 PHASES = ("correctness", "micro", "tests", "decode", "throughput")
-THROUGHPUT_RUNS = ("pagedlm_graphs", "hf_cb", "hf_static", "pagedlm_eager")
+# pagedlm_graphs_mp: the same engine with its one rank in a worker process of its own
+# (the multiprocess executor, NCCL with one rank): the cost of the engine/worker boundary.
+THROUGHPUT_RUNS = ("pagedlm_graphs", "hf_cb", "hf_static", "pagedlm_eager", "pagedlm_graphs_mp")
 # Where the heavy runs (decode, throughput) put the model; tests/test_gpu_script.py runs
 # them on "cpu" with a tiny configuration to keep them working between GPU loans.
 DEVICE = "cuda"
@@ -163,7 +165,8 @@ def child_throughput(model_dir: str, which: str, num_prompts: int, hf_bs: int,
         from pagedlm import LLM
         from pagedlm.benchmarks.throughput import run_pagedlm
 
-        llm = LLM(skip_tokenizer_init=True, max_num_seqs=256,
+        backend = "mp" if which.endswith("_mp") else None
+        llm = LLM(skip_tokenizer_init=True, max_num_seqs=256, distributed_executor_backend=backend,
                   **_llm_kwargs(model_dir, eager=which.endswith("eager")))
         return run_pagedlm(llm, requests, ignore_eos=True, use_tqdm=False)
     from transformers import AutoModelForCausalLM, LlamaConfig
