@@ -99,7 +99,7 @@ def test_two_ranks_sampling_chunking_prefix_hits_and_preemption(tiny_llama_dir):
     llm.llm_engine.shutdown()
 
 
-def test_one_rank_in_a_worker_process_equals_the_engine_process(tiny_llama_dir):
+def test_one_rank_in_a_worker_process_equals_the_engine_process(tiny_llama_dir, capfd):
     """`mp` named with one rank runs that rank in a process of its own (the path a one-GPU
     machine takes through the executor); left unnamed, one rank stays in this process."""
     from pagedlm.executor import MultiprocExecutor, UniProcExecutor
@@ -114,6 +114,9 @@ def test_one_rank_in_a_worker_process_equals_the_engine_process(tiny_llama_dir):
     assert _run(apart, params)[0] == _run(here, params)[0]
     apart.llm_engine.shutdown()
     assert _children() <= before
+    # The rank starts without runpy's warning of a module run twice (it was `python -m` of
+    # a module that its own package imports).
+    assert "RuntimeWarning" not in capfd.readouterr().err
 
 
 def test_the_in_process_backend_takes_one_rank_only(tiny_llama_dir):

@@ -16,7 +16,8 @@ second message (structured.RemoteBitmask): the fill overlaps the forward here to
 sampled tokens from the next step's message, as every worker does (a worker never appends
 its own samples), so their batches stay in step without a broadcast.
 
-Ranks are fresh interpreters (`python -m pagedlm.executor.worker_proc`), so a user's
+Ranks are fresh interpreters (`python -c "...worker_proc import main; main()"`: not `-m`,
+which would run a second copy of a module the package already imports), so a user's
 script needs no `if __name__ == "__main__":` guard; each connects back over a loopback
 socket with a token only it was given.
 
@@ -58,6 +59,7 @@ logger = logging.getLogger(__name__)
 _STARTUP_TIMEOUT_S = 600.0  # loading a large model's shard can take minutes
 ENV_ADDRESS = "PAGEDLM_WORKER_ADDRESS"  # host:port of the engine's listening socket
 ENV_TOKEN = "PAGEDLM_WORKER_TOKEN"  # hex; the first thing a worker sends
+_WORKER_MAIN = "from pagedlm.executor.worker_proc import main; main()"
 
 
 class WorkerError(RuntimeError):
@@ -159,7 +161,7 @@ class MultiprocExecutor(RankedExecutor):
         listener.listen(self.world_size)
         host, port = listener.getsockname()
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", "pagedlm.executor.worker_proc"],
+            subprocess.Popen([sys.executable, "-c", _WORKER_MAIN],
                              env=dict(os.environ, **{ENV_ADDRESS: f"{host}:{port}",
                                                      ENV_TOKEN: token.hex(),
                                                      PREBUILT_ENV: json.dumps(kernels)}),

@@ -1,6 +1,6 @@
-"""The process of one tensor-parallel rank: `python -m pagedlm.executor.worker_proc`.
+"""The process of one tensor-parallel rank.
 
-Started by `MultiprocExecutor` as a fresh interpreter (not multiprocessing's spawn, which
+Started by `MultiprocExecutor` (`main()`) as a fresh interpreter (not multiprocessing's spawn, which
 would re-import the user's main script), it connects back to the engine over a loopback
 socket, proves it is the engine's child with the token it was given, receives its rank
 and the engine arguments, joins the torch.distributed group, builds its Worker and then
@@ -131,6 +131,3 @@ def main() -> None:
         conn.close()
     sys.exit(0)
 
-
-if __name__ == "__main__":
-    main()
