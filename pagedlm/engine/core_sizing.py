@@ -12,7 +12,7 @@ from pagedlm.worker.worker import WorkerSpec
 
 # Prompt tokens per step while requests decode, by default (see Scheduler._prefill_budget;
 # the CPU figure is measured in benchmarks/results/engine_core/).
-DEFAULT_CPU_PREFILL_WITH_DECODES = 96
+DEFAULT_CPU_PREFILL_WITH_DECODES = 64
 DEFAULT_GPU_PREFILL_WITH_DECODES = 2048
 
 
