@@ -54,7 +54,10 @@ class ModelRunnerOutput:
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """Rows that cannot be sampled: NaN or +inf anywhere (max propagates NaN), or no
     finite logit at all. One reduction over the logits."""
-    return (~torch.isfinite(logits.amax(dim=-1))).nonzero().flatten().tolist()
+    finite = torch.isfinite(logits.amax(dim=-1))
+    if bool(finite.all()):  # the usual case, without nonzero()'s index tensor and list
+        return []
+    return (~finite).nonzero().flatten().tolist()
 
 
 def _sampled_lists(result) -> tuple:
