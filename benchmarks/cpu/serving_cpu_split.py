@@ -31,6 +31,24 @@ def _cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
+def _switches(proc: psutil.Process) -> tuple[int, int]:
+    """Voluntary and involuntary context switches of every thread of `proc` (Linux keeps
+    them per thread: psutil's figure is the main thread's alone)."""
+    vol = invol = 0
+    task_dir = f"/proc/{proc.pid}/task"
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/status") as f:
+                for line in f:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        vol += int(line.split()[1])
+                    elif line.startswith("nonvoluntary_ctxt_switches:"):
+                        invol += int(line.split()[1])
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return vol, invol
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("label")
@@ -68,6 +86,7 @@ def main() -> None:
         core = next(c for c in frontend.children()
                     if any("spawn_main" in part for part in c.cmdline()))
         front0, core0 = _cpu_s(frontend), _cpu_s(core)
+        switches0 = _switches(core)
         out = f"cpu_split_{args.label}.json"
         start = time.time()
         client = subprocess.Popen(
@@ -86,6 +105,8 @@ def main() -> None:
             time.sleep(0.2)
         wall = time.time() - start
         front_s, core_s = _cpu_s(frontend) - front0, _cpu_s(core) - core0
+        switches = _switches(core)  # its main thread and its compute threads
+        voluntary, involuntary = switches[0] - switches0[0], switches[1] - switches0[1]
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(30)
@@ -93,7 +114,8 @@ def main() -> None:
     r = json.load(open(out))["results"]
     print(f"{args.label}: {r['output_throughput']:.1f} output tok/s, TPOT p50/p99 "
           f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f} ms; {wall:.1f} s, CPU-s: "
-          f"frontend {front_s:.1f}, core {core_s:.1f}, client >= {client_s:.1f}")
+          f"frontend {front_s:.1f}, core {core_s:.1f}, client >= {client_s:.1f}; core context "
+          f"switches {voluntary} voluntary, {involuntary} involuntary")
 
 
 if __name__ == "__main__":
