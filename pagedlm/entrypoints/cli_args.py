@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedlm.config import GiB
+from pagedlm.config import EXECUTOR_BACKENDS, GiB
 from pagedlm.sampling_params import SamplingParams
 
 
@@ -95,7 +95,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model's heads, MLP and vocabulary over this many ranks, one "
                         "worker process each (gloo on CPU, NCCL on GPUs)")
-    g.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+    g.add_argument("--distributed-executor-backend", default=None, choices=EXECUTOR_BACKENDS,
                    help="how ranks run: uni = in the engine's process (1 rank); mp = worker "
                         "processes on this machine; ray = actors on the nodes of a running Ray "
                         "cluster (ray start; RAY_ADDRESS), for several machines (default: uni "

@@ -1,8 +1,8 @@
 """The process of one tensor-parallel rank.
 
-Started by `MultiprocExecutor` (`main()`) as a fresh interpreter (not multiprocessing's spawn, which
-would re-import the user's main script), it connects back to the engine over a loopback
-socket, proves it is the engine's child with the token it was given, receives its rank
+Started by `MultiprocExecutor` (`main()`) as a fresh interpreter (not multiprocessing's
+spawn, which would re-import the user's main script), it connects back to the engine over
+a loopback socket, proves it is the engine's child with the token it was given, receives its rank
 and the engine arguments, joins the torch.distributed group, builds its Worker and then
 runs the methods the engine sends until told to stop or the engine goes away.
 
