@@ -130,8 +130,8 @@ def test_engine_persistent_batch_through_preemption_forks_and_beams(tiny_llama_d
     ops = [("add", 30, 12, 3, 1.0), ("add", 20, 10, 2, 0.0), ("beam", 9, 6, 2, 0.0),
            ("step", 3, 0, 0, 0.0), ("add", 25, 12, 1, 1.0), ("add", 30, 12, 3, 1.0),
            ("step", 2, 0, 0, 0.0), ("abort", 1, 0, 0, 0.0), ("add", 12, 8, 2, 0.0)]
-    stats, num_steps = _run_checked(tiny_llama_dir, ops, prefix_caching=True)
-    assert num_steps > 20
+    stats, num_steps, decode_steps = _run_checked(tiny_llama_dir, ops, prefix_caching=True)
+    assert num_steps > 20 and 0 < decode_steps < num_steps
     assert stats.num_preemptions > 0 and stats.num_block_copies > 0
     assert stats.prefix_cache_hits > 0
 
@@ -144,7 +144,7 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     engine = llm.llm_engine
     runner = engine.model_executor.driver_worker.model_runner
     prepare = runner.prepare_inputs
-    num_steps = [0]
+    num_steps, every_token = [0], [0]
 
     def checked(sched):
         inputs = prepare(sched)
@@ -158,6 +158,9 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
         assert meta.block_tables.tolist() == ref["block_tables"]
         assert inputs.sampled_req_ids == ref["sampled"]
         assert inputs.logits_indices.tolist() == ref["logits_indices"]
+        if inputs.every_token_sampled:  # the LM head then reads the hidden states as they are
+            assert ref["logits_indices"] == list(range(len(ref["input_ids"])))
+            every_token[0] += 1
         num_steps[0] += 1
         return inputs
 
@@ -184,5 +187,5 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     engine.step()  # an idle step
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     engine.scheduler.check_invariants()
-    return engine.get_stats(), num_steps[0]
+    return engine.get_stats(), num_steps[0], every_token[0]
 

@@ -397,3 +397,66 @@ def test_sampled_token_survives_all_masks(
     y = apply_min_p(y, torch.tensor([min_p]))
     y = apply_top_k_top_p(y, torch.tensor([top_k]), torch.tensor([top_p]))
     assert math.isfinite(y[0, tok].item())
+
+
+# --- rows that cannot be sampled ------------------------------------------------
+
+_ROW_PARAMS = [
+    SamplingParams(temperature=0),
+    SamplingParams(temperature=0, repetition_penalty=1.3, frequency_penalty=0.4),
+    SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[7]),
+    SamplingParams(temperature=0.8),
+    SamplingParams(temperature=1.1, presence_penalty=0.5),
+    SamplingParams(temperature=0.9, top_k=4),
+    SamplingParams(temperature=1.0, top_p=0.6),
+    SamplingParams(temperature=1.2, min_p=0.2),
+    SamplingParams(temperature=0.7, min_tokens=2, logprobs=2),
+]
+_SPECIALS = {"nan": float("nan"), "inf": float("inf"), "-inf": NEG_INF}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.lists(
+        st.tuples(
+            st.integers(0, len(_ROW_PARAMS) - 1),
+            # where a bad value goes: (kind, token), or the whole row -inf
+            # (token 7 often: the EOS and stop id that min_tokens masks)
+            st.lists(st.tuples(st.sampled_from(sorted(_SPECIALS)),
+                               st.one_of(st.just(7), st.integers(0, 39))), max_size=3),
+            st.booleans(),
+        ),
+        min_size=1, max_size=6,
+    ),
+    kernels=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_unsampleable_rows_are_exactly_the_nonfinite_ones(rows, kernels: bool, seed: int):
+    """The sampler's cheap check (the raw logit at each pick, stage 6) flags exactly the
+    rows that the full reduction of model_runner.nonfinite_rows flags, whatever each row's
+    parameters (greedy, penalties, min_tokens masking the bad token, filters), and leaves
+    every other row's token as it was."""
+    from pagedlm.sample.sampler import UNSAMPLEABLE
+    from pagedlm.worker.model_runner import nonfinite_rows
+
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(rows), 40, generator=gen)
+    states = []
+    for i, (which, specials, all_masked) in enumerate(rows):
+        for kind, token in specials:
+            logits[i, token] = _SPECIALS[kind]
+        if all_masked:
+            logits[i] = NEG_INF
+        # eos 7 and stop id 7: a bad logit there is what min_tokens masks
+        states.append(state(_ROW_PARAMS[which], seed=seed + i, prompt=[1, 2, 7], output=[3],
+                            eos=[7]))
+    batch = make_sampling_batch(states, 40, CPU)
+    got = Sampler(use_cpu_kernels=kernels)(logits, batch).sampled_token_ids.tolist()
+    bad = nonfinite_rows(logits)
+    assert [i for i, t in enumerate(got) if t == UNSAMPLEABLE] == bad
+    # The others: as sampled one by one, without the bad rows beside them.
+    for i, token in enumerate(got):
+        if i not in bad:
+            one = make_sampling_batch([states[i]], 40, CPU)
+            assert token == Sampler(use_cpu_kernels=kernels)(logits[i:i + 1], one) \
+                .sampled_token_ids.item()

@@ -16,7 +16,7 @@ import torch
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
 from pagedlm.sample.ops import compute_logprobs
-from pagedlm.sample.sampler import Sampler
+from pagedlm.sample.sampler import UNSAMPLEABLE, Sampler
 from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
@@ -51,9 +51,14 @@ class ModelRunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
 
 
+NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this request"
+
+
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """Rows that cannot be sampled: NaN or +inf anywhere (max propagates NaN), or no
-    finite logit at all. One reduction over the logits."""
+    finite logit at all. One reduction over the logits. The sampler finds the same rows
+    at almost no cost (sampler.py, UNSAMPLEABLE); this reduction is for the rows a
+    grammar is about to mask, and the sampler's reference in tests."""
     finite = torch.isfinite(logits.amax(dim=-1))
     if bool(finite.all()):  # the usual case, without nonzero()'s index tensor and list
         return []
@@ -153,18 +158,21 @@ class ModelRunner:
             self._prompt_logprobs(hidden, inputs, out)
         if not inputs.sampled_req_ids:
             return out
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])  # [num_sampled, vocab]
+        if not inputs.every_token_sampled:
+            hidden = hidden[inputs.logits_indices]  # [num_sampled, hidden]
+        logits = self.model.compute_logits(hidden)  # [num_sampled, vocab]
         if not self.is_driver:
             return out
         req_ids = inputs.sampled_req_ids
-        bad = nonfinite_rows(logits)
-        if bad:
-            for i in bad:
-                out.failed[req_ids[i]] = ("the model produced non-finite logits (NaN or inf) "
-                                          "for this request")
-            logits = logits.clone()
-            logits[bad] = 0.0  # sampled as usual, then discarded
         if sched.grammar_bitmask is not None:
+            # The grammar's -inf would hide the model's NaN or +inf from the sampler's
+            # check: these rows are checked before it.
+            bad = nonfinite_rows(logits)
+            if bad:
+                for i in bad:
+                    out.failed[req_ids[i]] = NONFINITE_LOGITS
+                logits = logits.clone()
+                logits[bad] = 0.0  # sampled as usual, then discarded
             self._apply_grammar(logits, req_ids, sched.grammar_bitmask)
         try:
             batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device,
@@ -174,6 +182,11 @@ class ModelRunner:
             logger.exception("sampling the batch failed: sampling each request apart")
             rows = self._sample_apart(logits, inputs, out)
         token_ids, lps, ranks, top_ids, top_lps = rows
+        if UNSAMPLEABLE in token_ids:  # the sampler's check of the logits (sampler.py)
+            for i, token in enumerate(token_ids):
+                if token == UNSAMPLEABLE:
+                    out.failed.setdefault(req_ids[i], NONFINITE_LOGITS)
+                    token_ids[i] = 0  # discarded with the request
         logprobs: list[TokenLogprobs | None] | None = None
         if lps is not None:
             num_logprobs = self.input_batch.num_logprobs[inputs.sampled_rows].tolist()

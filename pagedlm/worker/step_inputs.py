@@ -30,6 +30,9 @@ class StepInputs:
     positions: torch.Tensor  # [num_tokens]
     meta: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] token index of each sampled row's last token
+    # logits_indices is arange(num_tokens): every token row is sampled, in order (a decode
+    # step), so the hidden states need no gather before the LM head.
+    every_token_sampled: bool
     # The persistent-batch row and request id behind each sampled row: a request that
     # reached its last token, then each sample forked from it at this step (same logits
     # row, its own seed).
@@ -165,6 +168,7 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         positions=up(positions),
         meta=meta,
         logits_indices=up(logits_indices),
+        every_token_sampled=not spec and not sched.fork_reqs and len(samples) == num_tokens,
         sampled_rows=sampled_rows,
         sampled_req_ids=sampled_req_ids,
         prompt_logprob_rows=prompt_rows,
