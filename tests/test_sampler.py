@@ -434,10 +434,9 @@ _SPECIALS = {"nan": float("nan"), "inf": float("inf"), "-inf": NEG_INF}
 def test_unsampleable_rows_are_exactly_the_nonfinite_ones(rows, kernels: bool, seed: int):
     """The sampler's cheap check (the raw logit at each pick, stage 6) flags exactly the
     rows that the full reduction of model_runner.nonfinite_rows flags, whatever each row's
-    parameters (greedy, penalties, min_tokens masking the bad token, filters), and leaves
-    every other row's token as it was."""
-    from pagedlm.sample.sampler import UNSAMPLEABLE
-    from pagedlm.worker.model_runner import nonfinite_rows
+    parameters (greedy, penalties, min_tokens masking the bad token, filters), and the
+    other rows' tokens are as sampled without the bad rows beside them."""
+    from pagedlm.worker.model_runner import _sampled_lists, nonfinite_rows
 
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(len(rows), 40, generator=gen)
@@ -451,9 +450,11 @@ def test_unsampleable_rows_are_exactly_the_nonfinite_ones(rows, kernels: bool, s
         states.append(state(_ROW_PARAMS[which], seed=seed + i, prompt=[1, 2, 7], output=[3],
                             eos=[7]))
     batch = make_sampling_batch(states, 40, CPU)
-    got = Sampler(use_cpu_kernels=kernels)(logits, batch).sampled_token_ids.tolist()
+    result = Sampler(use_cpu_kernels=kernels)(logits, batch)
     bad = nonfinite_rows(logits)
-    assert [i for i, t in enumerate(got) if t == UNSAMPLEABLE] == bad
+    assert [i for i, v in enumerate(result.sampled_logits.tolist()) if not math.isfinite(v)] == bad
+    got, runner_bad = _sampled_lists(result)[:2]  # what the model runner fails
+    assert runner_bad == bad
     # The others: as sampled one by one, without the bad rows beside them.
     for i, token in enumerate(got):
         if i not in bad:

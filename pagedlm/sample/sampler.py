@@ -17,12 +17,14 @@ Pipeline for each step (all tensor work is batched over rows):
    that a row's token depends only on its own seed, step and logits: not on the
    batch it shares or its position in it. On CPU a fused C++ kernel does that last
    step (cpu_sampling.py); the torch code is its reference and the GPU path.
-6. A row that cannot be sampled (its logits hold NaN or +inf, or no finite value)
-   gets token id -1 (`UNSAMPLEABLE`). Every pick above is an argmax in which NaN beats
-   everything and +inf every finite value, and the penalties and the temperature keep
-   NaN, +inf and -inf as they are: so the raw logit at a row's pick is finite exactly
-   when the whole row is fine, and one gather checks the batch. Only where min_tokens
-   masked a token, which may have been the bad one, is the row itself reduced.
+6. Whether a row could be sampled at all: `sampled_logits` is the raw logit at each
+   row's pick, finite exactly when the row holds no NaN or +inf and some finite value.
+   Every pick above is an argmax in which NaN beats everything and +inf every finite
+   value, and the penalties and the temperature keep NaN, +inf and -inf as they are;
+   min_p, top-k and top-p keep a row's NaN or +inf too (its probabilities are then all
+   NaN, which no filter masks). So one gather checks the batch, not a reduction over
+   [rows, vocab]. Only a row whose EOS or stop ids min_tokens masked (one of them may be
+   the bad value) is reduced: its entry is its largest raw logit.
 
 Work no row needs is skipped; that is decided once, when the step's `SamplingBatch`
 is built (sampling_batch.py). The row-wise operations of each stage are in ops.py.
@@ -45,12 +47,12 @@ from pagedlm.sample.ops import (
 )
 from pagedlm.sample.sampling_batch import SamplingBatch
 
-UNSAMPLEABLE = -1  # the token id of a row whose logits hold NaN or +inf, or no finite value
-
 
 @dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [num_reqs] int64; UNSAMPLEABLE where a row is not finite
+    sampled_token_ids: torch.Tensor  # [num_reqs] int64
+    # [num_reqs] float32: finite exactly where the row's logits could be sampled (stage 6)
+    sampled_logits: torch.Tensor
     # The rest is None unless some row asked for logprobs. Rows that asked for fewer
     # than max_k top logprobs must be sliced by the caller.
     sampled_logprobs: torch.Tensor | None  # [num_reqs] float32, raw logprob of the sampled token
@@ -102,26 +104,24 @@ class Sampler:
                 rows = batch.random_rows
                 sampled = sampled.index_put((rows,), self._sample_random(x[rows], batch))
 
-        bad = self._unsampleable(raw, sampled, batch)  # [num_reqs] bool
-        lp = ranks = top_ids = top_lp = None
-        if batch.max_num_logprobs is not None:
-            lp, ranks, top_ids, top_lp = compute_logprobs(raw, sampled, batch.max_num_logprobs)
-        sampled = sampled.masked_fill(bad, UNSAMPLEABLE)
-        return SamplerOutput(sampled, lp, ranks, top_ids, top_lp)
+        picked = self._picked_logits(raw, sampled, batch)  # [num_reqs]
+        if batch.max_num_logprobs is None:
+            return SamplerOutput(sampled, picked, None, None, None, None)
+        lp, ranks, top_ids, top_lp = compute_logprobs(raw, sampled, batch.max_num_logprobs)
+        return SamplerOutput(sampled, picked, lp, ranks, top_ids, top_lp)
 
     @staticmethod
-    def _unsampleable(raw: torch.Tensor, sampled: torch.Tensor,
-                      batch: SamplingBatch) -> torch.Tensor:
-        """[num_reqs] bool: rows with NaN or +inf anywhere in `raw`, or no finite value
-        (stage 6 of the module docstring): the raw logit at each pick, and a reduction over
-        the rows whose pick may have passed a bad logit by. min_p, top-k and top-p keep a
-        row's NaN or +inf (its probabilities are then all NaN, which no filter masks)."""
-        picked = raw.gather(1, sampled[:, None]).squeeze(1)  # [num_reqs]
-        bad = ~torch.isfinite(picked)
+    def _picked_logits(raw: torch.Tensor, sampled: torch.Tensor,
+                       batch: SamplingBatch) -> torch.Tensor:
+        """[num_reqs] the raw logit at each row's pick, or for a row min_tokens masked its
+        largest raw logit: finite exactly where the row could be sampled (stage 6 of the
+        module docstring)."""
+        picked = raw.gather(1, sampled[:, None]).squeeze(1)
         if batch.min_tokens_rows is not None:  # a masked EOS or stop id may be the bad one
             rows = batch.min_tokens_rows.unique()
-            bad[rows] |= ~torch.isfinite(raw[rows].amax(dim=-1))
-        return bad
+            # NaN if any, else +inf if any, -inf if none is finite: finite exactly as the row
+            picked[rows] = raw[rows].amax(dim=-1)
+        return picked
 
     def _race_for(self, x: torch.Tensor) -> RaceFn | None:
         """The fused kernel if it applies to x (float32 on CPU, kernel built), else None."""

@@ -9,6 +9,7 @@ last token, verify speculative drafts and compute the logprobs asked for.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -16,7 +17,7 @@ import torch
 from pagedlm.core.sched_output import SchedulerOutput
 from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
 from pagedlm.sample.ops import compute_logprobs
-from pagedlm.sample.sampler import UNSAMPLEABLE, Sampler
+from pagedlm.sample.sampler import Sampler
 from pagedlm.structured import apply_bitmask
 from pagedlm.worker.cuda_graphs import DecodeGraphRunner
 from pagedlm.worker.input_batch import InputBatch
@@ -57,7 +58,7 @@ NONFINITE_LOGITS = "the model produced non-finite logits (NaN or inf) for this r
 def nonfinite_rows(logits: torch.Tensor) -> list[int]:
     """Rows that cannot be sampled: NaN or +inf anywhere (max propagates NaN), or no
     finite logit at all. One reduction over the logits. The sampler finds the same rows
-    at almost no cost (sampler.py, UNSAMPLEABLE); this reduction is for the rows a
+    at almost no cost (SamplerOutput.sampled_logits); this reduction is for the rows a
     grammar is about to mask, and the sampler's reference in tests."""
     finite = torch.isfinite(logits.amax(dim=-1))
     if bool(finite.all()):  # the usual case, without nonzero()'s index tensor and list
@@ -66,12 +67,18 @@ def nonfinite_rows(logits: torch.Tensor) -> list[int]:
 
 
 def _sampled_lists(result) -> tuple:
-    """A SamplerOutput as Python lists: token ids, then (None when no row asked for
-    logprobs) sampled logprobs, ranks, top ids, top logprobs."""
+    """A SamplerOutput as Python lists: token ids, the rows that could not be sampled (their
+    logits were not finite), then (None when no row asked for logprobs) sampled logprobs,
+    ranks, top ids, top logprobs."""
     token_ids = result.sampled_token_ids.tolist()
+    picked = result.sampled_logits.tolist()
+    # float32 values summed in float64 cannot overflow: the sum is finite exactly when
+    # every value is, and the rows are only looked at one by one when some is not.
+    bad = [] if math.isfinite(sum(picked)) else [
+        i for i, v in enumerate(picked) if not math.isfinite(v)]
     if result.sampled_logprobs is None:
-        return token_ids, None, None, None, None
-    return (token_ids, result.sampled_logprobs.tolist(), result.sampled_ranks.tolist(),
+        return token_ids, bad, None, None, None, None
+    return (token_ids, bad, result.sampled_logprobs.tolist(), result.sampled_ranks.tolist(),
             result.topk_token_ids.tolist(), result.topk_logprobs.tolist())
 
 
@@ -181,12 +188,9 @@ class ModelRunner:
         except Exception:
             logger.exception("sampling the batch failed: sampling each request apart")
             rows = self._sample_apart(logits, inputs, out)
-        token_ids, lps, ranks, top_ids, top_lps = rows
-        if UNSAMPLEABLE in token_ids:  # the sampler's check of the logits (sampler.py)
-            for i, token in enumerate(token_ids):
-                if token == UNSAMPLEABLE:
-                    out.failed.setdefault(req_ids[i], NONFINITE_LOGITS)
-                    token_ids[i] = 0  # discarded with the request
+        token_ids, bad, lps, ranks, top_ids, top_lps = rows
+        for i in bad:  # the sampler's check of the logits (SamplerOutput.sampled_logits)
+            out.failed.setdefault(req_ids[i], NONFINITE_LOGITS)  # its token is discarded
         logprobs: list[TokenLogprobs | None] | None = None
         if lps is not None:
             num_logprobs = self.input_batch.num_logprobs[inputs.sampled_rows].tolist()
@@ -242,7 +246,7 @@ class ModelRunner:
                       out: ModelRunnerOutput) -> tuple:
         """Sample row by row, so that a request whose parameters break the sampler fails
         alone (recorded in out.failed) while the others get their tokens."""
-        token_ids, lps, ranks, top_ids, top_lps = [], [], [], [], []
+        token_ids, bad, lps, ranks, top_ids, top_lps = [], [], [], [], [], []
         for i, req_id in enumerate(inputs.sampled_req_ids):
             try:
                 extra = (None if inputs.sampled_extra is None
@@ -253,11 +257,13 @@ class ModelRunner:
             except Exception as e:
                 logger.exception("sampling request %s failed", req_id)
                 out.failed[req_id] = f"sampling failed for this request ({type(e).__name__}: {e})"
-                row = ([0], None, None, None, None)
+                row = ([0], [], None, None, None, None)
             token_ids.append(row[0][0])
-            for column, values in zip((lps, ranks, top_ids, top_lps), row[1:]):
+            if row[1]:
+                bad.append(i)
+            for column, values in zip((lps, ranks, top_ids, top_lps), row[2:]):
                 column.append(values[0] if values is not None else None)
-        return token_ids, lps, ranks, top_ids, top_lps
+        return token_ids, bad, lps, ranks, top_ids, top_lps
 
     def _forward_eager(self, inputs: StepInputs) -> torch.Tensor:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
