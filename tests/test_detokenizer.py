@@ -251,6 +251,12 @@ def test_stop_string_spanning_tokens(tok, include):
     # Later tokens are ignored once stopped.
     assert d.update(output[-1:]) is None
     assert d.output_text == want
+    # A final-only detokenizer with stop strings still decodes every step: the stop must
+    # end the sequence when it appears, not when the text is read.
+    final = IncrementalDetokenizer(tok, prompt, stop=[stop_s], include_stop_str_in_output=include,
+                                   final_only=True)
+    stops = [final.update([t]) for t in output]
+    assert stop_s in stops and final.output_text == want
 
 
 def test_stop_string_in_byte_fallback_emoji(tok):
@@ -392,11 +398,20 @@ def test_random_token_sequences(smol, sp_llama, sp_meta, data):
     detok_mod._USE_DECODE_STREAM = engine == "decode_stream"
     try:
         d, deltas, _ = run_stream(t, prompt, output, chunks=chunks, skip_special_tokens=skip)
+        # final_only: the same updates, the text read once at the end.
+        final = IncrementalDetokenizer(t, prompt, skip_special_tokens=skip, final_only=True)
+        i = 0
+        for size in chunks:
+            assert final.update(output[i:i + size]) is None
+            i += size
+        assert final._pending_len == 0  # nothing decoded before the text is read
+        final_text = final.get_next_output_text(True, delta=False)
     finally:
         detok_mod._USE_DECODE_STREAM = old
     want = expected_text(t, prompt, output, skip)
     assert d.output_text == want
     assert "".join(deltas) == want
+    assert final_text == want
     if FFFD not in want:
         assert all(FFFD not in x for x in deltas)
 

@@ -285,9 +285,14 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], *,
                  skip_special_tokens: bool = True, stop: Sequence[str] = (),
-                 include_stop_str_in_output: bool = False) -> None:
+                 include_stop_str_in_output: bool = False, final_only: bool = False) -> None:
+        """`final_only`: the text is read only once the sequence ends (an offline request
+        with no stop string): tokens are then kept and decoded in one go when the text is
+        read, not one step at a time. The text is the same (decoding is prefix-stable,
+        and the stream feeds any run of tokens at once)."""
         # "" would match everywhere; SamplingParams should reject it, this is a backstop.
         self._stops = tuple(s for s in stop if s)
+        self._deferred: list[int] | None = [] if final_only and not self._stops else None
         self._include_stop = include_stop_str_in_output
         max_stop_len = max((len(s) for s in self._stops), default=0)
         self._lookback = max(0, max_stop_len - 1)
@@ -307,6 +312,7 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """All text so far (trimmed at a stop string), published or not."""
+        self._catch_up()
         return self._published_text() + "".join(self._pending)
 
     @property
@@ -320,7 +326,16 @@ class IncrementalDetokenizer:
         it when include_stop_str_in_output), else None. Ignored once stopped or finished."""
         if self._done:
             return None
+        if self._deferred is not None:
+            self._deferred.extend(new_token_ids)
+            return None
         return self._append(self._stream.push(new_token_ids))
+
+    def _catch_up(self) -> None:
+        """Decode the tokens kept back (final_only)."""
+        if self._deferred and not self._done:
+            ids, self._deferred = self._deferred, []
+            self._append(self._stream.push(ids))
 
     def finish(self) -> str | None:
         """Release text still held for an incomplete character or an open byte run (it then
@@ -328,6 +343,7 @@ class IncrementalDetokenizer:
         released text completes one. Idempotent; get_next_output_text(finished=True) calls it."""
         if self._done:
             return None
+        self._catch_up()
         stop = self._append(self._stream.flush())
         self._done = True
         return stop
@@ -340,6 +356,8 @@ class IncrementalDetokenizer:
         published so far. When finished, everything is released."""
         if finished:
             self.finish()
+        else:
+            self._catch_up()
         n = self._pending_len if self._done else max(0, self._pending_len - self._holdback)
         chunk = ""
         if n:

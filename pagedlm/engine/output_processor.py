@@ -69,6 +69,9 @@ class OutputProcessor:
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams, output_kind: RequestOutputKind,
                     seq_ids: list[str], arrival_time: float) -> None:
+        if (params.best_of or params.n) > params.n:
+            # The n best are known only at the end.
+            output_kind = RequestOutputKind.FINAL_ONLY
         seqs = []
         for i, seq_id in enumerate(seq_ids):
             detok = None
@@ -77,14 +80,12 @@ class OutputProcessor:
                     self.tokenizer, prompt_token_ids,
                     skip_special_tokens=params.skip_special_tokens,
                     stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+                    final_only=output_kind == RequestOutputKind.FINAL_ONLY,
                 )
             wants_logprobs = params.logprobs is not None
             ranked = (params.best_of or params.n) > params.n
             seqs.append(SequenceState(seq_id, i, detok, [] if wants_logprobs else None,
                                       0.0 if wants_logprobs or ranked else None))
-        if (params.best_of or params.n) > params.n:
-            # The n best are known only at the end.
-            output_kind = RequestOutputKind.FINAL_ONLY
         state = RequestState(request_id, prompt, prompt_token_ids, params, output_kind, seqs,
                              RequestMetrics(arrival_time=arrival_time),
                              prompt_logprobs={} if params.prompt_logprobs is not None else None)
