@@ -195,6 +195,10 @@ class KVCacheManager:
         With a window, hits no query can see any more take a null entry, not a reference.
         """
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        if (not new_computed_blocks and self.sliding_window is None
+                and request.num_computed_tokens + num_new_tokens <= len(blocks) * self.block_size
+                and not self._needs_copy(blocks, request.num_computed_tokens, num_new_tokens)):
+            return True  # the room is there already (most decodes): nothing changes
         assert not new_computed_blocks or not blocks
         num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
         num_invisible_hits = 0
