@@ -247,24 +247,30 @@ class EngineCore:
         out.prompt_logprobs = result.prompt_logprobs
         logprobs = result.logprobs
         num_extra = self.scheduler.num_extra_tokens
+        outputs = out.outputs
         for request in updated:
             seq_id = request.request_id
             if seq_id not in request_of:
                 continue  # a beam: the beam-search driver reports it
-            # One output per new token: accepted drafts (speculative decoding), then the last.
-            extra = num_extra.get(seq_id, 0)
-            tokens = request.output_token_ids[-1 - extra:]
-            lps = [logprobs.get(seq_id), *result.extra_logprobs.get(seq_id, [None] * extra)]
-            for token, lp in zip(tokens[:-1], lps):
-                out.outputs.append(SeqOutput(seq_id, token, lp))
-            seq_out = SeqOutput(seq_id, tokens[-1], lps[extra])
+            extra = num_extra.get(seq_id, 0) if num_extra else 0
+            if extra:
+                # One output per new token: accepted drafts (speculative decoding), then
+                # the last.
+                tokens = request.output_token_ids[-1 - extra:]
+                lps = [logprobs.get(seq_id), *result.extra_logprobs.get(seq_id, [None] * extra)]
+                for token, lp in zip(tokens[:-1], lps):
+                    outputs.append(SeqOutput(seq_id, token, lp))
+                seq_out = SeqOutput(seq_id, tokens[-1], lps[extra])
+            else:
+                seq_out = SeqOutput(seq_id, request.output_token_ids[-1],
+                                    logprobs.get(seq_id) if logprobs else None)
             if request.is_finished():
                 seq_out.finish_reason = request.get_finish_reason()
                 seq_out.stop_reason = request.stop_reason
                 seq_out.num_preemptions = request.num_preemptions
                 seq_out.grammar_done = seq_id in self._grammar_done
                 self._forget_sequence(seq_id)
-            out.outputs.append(seq_out)
+            outputs.append(seq_out)
         if self.proposer is not None:
             if sched.spec_token_ids:
                 self.proposer.record(sched.spec_token_ids, result.extra_token_ids)

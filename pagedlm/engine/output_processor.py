@@ -139,10 +139,12 @@ class OutputProcessor:
             except Exception as e:
                 failed[state.request_id] = _describe_failure(state.request_id, e)
         outputs = []
+        final_only = RequestOutputKind.FINAL_ONLY
         for state in touched.values():
-            if state.request_id in failed:
-                continue
-            if state.is_finished:
+            finished = state.is_finished
+            if (not finished and state.output_kind == final_only) or state.request_id in failed:
+                continue  # nothing to publish yet (offline requests publish once, at the end)
+            if finished:
                 state.metrics.finished_time = now
                 state.metrics.num_preemptions = sum(s.num_preemptions for s in state.sequences)
             try:
@@ -152,7 +154,7 @@ class OutputProcessor:
                 continue
             if output is not None:
                 outputs.append(output)
-            if state.is_finished:
+            if finished:
                 self._forget(state)
         for request_id, message in failed.items():
             output = self.fail(request_id, message)

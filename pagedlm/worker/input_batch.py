@@ -128,23 +128,33 @@ class InputBatch:
         # The common delta, one token (a decode's last sample, or a beam's replaced last
         # token), is written for all requests at once; longer ones (a resumed fork) and
         # block-table changes (one request in block_size per step) one request at a time.
-        num_new = np.fromiter(map(len, cached.new_token_ids), dtype=np.int64, count=len(cached))
-        ones = np.flatnonzero(num_new == 1)
-        if ones.size:
-            one_rows = rows[ones]
-            offsets = np.asarray(cached.token_offsets, dtype=np.int64)[ones]
-            self._fit_tokens(int(offsets.max()) + 1)
-            self.token_ids[one_rows, offsets] = [cached.new_token_ids[i][0] for i in ones.tolist()]
+        new_token_ids, token_offsets = cached.new_token_ids, cached.token_offsets
+        lens = list(map(len, new_token_ids))
+        if lens.count(1) == len(lens):  # every request one token (most steps)
+            offsets = np.asarray(token_offsets, dtype=np.int64)
+            self._fit_tokens(max(token_offsets) + 1)
+            self.token_ids[rows, offsets] = [tokens[0] for tokens in new_token_ids]
             # Appending grows the row; replacing the last token leaves its length.
-            self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
-        for i in np.flatnonzero(num_new > 1).tolist():
-            row, tokens = int(rows[i]), cached.new_token_ids[i]
-            start = cached.token_offsets[i]
-            end = start + len(tokens)
-            self._fit_tokens(end)
-            self.token_ids[row, start:end] = tokens
-            self.token_ids[row, end : self.num_tokens[row]] = 0
-            self.num_tokens[row] = end
+            self.num_tokens[rows] = np.maximum(self.num_tokens[rows], offsets + 1)
+        else:
+            num_new = np.array(lens, dtype=np.int64)
+            ones = np.flatnonzero(num_new == 1)
+            if ones.size:
+                one_rows = rows[ones]
+                offsets = np.asarray(token_offsets, dtype=np.int64)[ones]
+                self._fit_tokens(int(offsets.max()) + 1)
+                self.token_ids[one_rows, offsets] = [new_token_ids[i][0] for i in ones.tolist()]
+                self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
+            for i in np.flatnonzero(num_new > 1).tolist():
+                row, tokens = int(rows[i]), new_token_ids[i]
+                start = token_offsets[i]
+                end = start + len(tokens)
+                self._fit_tokens(end)
+                self.token_ids[row, start:end] = tokens
+                self.token_ids[row, end : self.num_tokens[row]] = 0
+                self.num_tokens[row] = end
+        if not any(cached.new_block_ids):
+            return
         num_blocks = self.num_blocks
         for i, blocks in enumerate(cached.new_block_ids):
             if not blocks:  # tables never shrink: an unchanged one sends nothing
@@ -247,20 +257,21 @@ class InputBatch:
         and min_tokens see them."""
         num_reqs = len(rows)
         uses = self._uses
-        if uses["greedy"]:
-            random_idx = np.flatnonzero(~self.greedy[rows])
-        else:
-            random_idx = np.arange(num_reqs)
-        all_greedy = random_idx.size == 0
-        all_random = not all_greedy and random_idx.size == num_reqs
+        # The rows that sample at random (all of them when no row is greedy).
+        random_idx = np.flatnonzero(~self.greedy[rows]) if uses["greedy"] else None
+        num_random = num_reqs if random_idx is None else random_idx.size
+        all_greedy = num_random == 0
+        all_random = not all_greedy and num_random == num_reqs
         num_tokens = self.num_tokens[rows] if extra is None else self.num_tokens[rows] + extra
         num_output = num_tokens - self.num_prompt_tokens[rows]
+        device = torch.device(device)
+        on_host = device.type == "cpu"
 
         def up(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device)
+            t = torch.from_numpy(np.ascontiguousarray(a))
+            return t if on_host else t.to(device)
 
-        batch = SamplingBatch(num_reqs, self.vocab_size, torch.device(device), all_greedy,
-                              all_random)
+        batch = SamplingBatch(num_reqs, self.vocab_size, device, all_greedy, all_random)
         if not (all_random or all_greedy):
             batch.random_rows = up(random_idx.astype(np.int64))
         if not all_greedy:

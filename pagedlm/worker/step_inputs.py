@@ -77,19 +77,30 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         q_lens = np.where(k[group] > 0, 1, q_lens[group])
     # Decodes first, longest context first (the attention backend buckets decodes by
     # length), then prefill chunks, each group in scheduling order (a stable sort).
-    is_prefill = q_lens != 1
-    order = np.lexsort((np.where(is_prefill, 0, -starts), is_prefill))
-    rows, q_lens, starts = rows[order], q_lens[order], starts[order]
     num_reqs = len(rows)
-    num_decodes = num_reqs - int(is_prefill.sum())
-    seq_lens = starts + q_lens
-    cu = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(q_lens, out=cu[1:])
-    num_tokens = int(cu[-1])
-
-    req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
-    positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
-    row_of_token = rows[req_of_token]
+    if not spec and sched.total_num_scheduled_tokens == num_reqs:
+        # Decodes only, one token each (most steps): the same layout in fewer passes.
+        order = np.argsort(-starts, kind="stable")
+        rows, starts = rows[order], starts[order]
+        q_lens = np.ones(num_reqs, dtype=np.int64)
+        num_decodes = num_tokens = num_reqs
+        seq_lens = starts + 1
+        cu = np.arange(num_reqs + 1, dtype=np.int64)
+        req_of_token = cu[:-1]
+        positions = starts
+        row_of_token = rows
+    else:
+        is_prefill = q_lens != 1
+        order = np.lexsort((np.where(is_prefill, 0, -starts), is_prefill))
+        rows, q_lens, starts = rows[order], q_lens[order], starts[order]
+        num_decodes = num_reqs - int(is_prefill.sum())
+        seq_lens = starts + q_lens
+        cu = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=cu[1:])
+        num_tokens = int(cu[-1])
+        req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
+        positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
+        row_of_token = rows[req_of_token]
     input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
     max_blocks = int(batch.num_blocks[rows].max())
     block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
