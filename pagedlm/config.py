@@ -52,8 +52,8 @@ class EngineArgs:
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
-    # Prompt tokens a step may compute while requests decode (None: CPU 128, GPU 2048),
-    # so that no decode waits behind a whole long prompt
+    # Prompt tokens a step may compute while requests decode (None: CPU 64, GPU 2048; the
+    # offline LLM class asks for no bound), so that no decode waits behind a whole prompt
     max_prefill_tokens_with_decodes: int | None = None
     enable_prefix_caching: bool = True
     kv_cache_memory: int | None = None  # bytes; CPU default 2 GiB

@@ -142,3 +142,36 @@ def test_kv_usage_recording(tiny_llama_dir):
 def test_unknown_engine_option():
     with pytest.raises(ValueError, match="unknown engine option"):
         LLM(max_num_sequences=3)
+
+
+def test_offline_prompts_are_not_spread_next_to_decodes(tiny_llama_dir):
+    """The offline LLM computes a new prompt whole while another request decodes (nobody
+    reads its tokens before the end, and every extra step runs the model again); an engine
+    built for serving bounds it (CPU default 64 tokens), and an explicit bound holds."""
+    from pagedlm.config import EngineArgs
+    from pagedlm.engine.core_sizing import DEFAULT_CPU_PREFILL_WITH_DECODES
+    from pagedlm.engine.llm_engine import LLMEngine
+
+    opts = dict(skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 22,
+                max_model_len=256, max_num_batched_tokens=128)
+
+    def computed_in_one_step(engine) -> int:
+        engine.add_request("decoding", None, SamplingParams(max_tokens=20, ignore_eos=True),
+                           prompt_token_ids=[3, 4, 5])
+        engine.step()  # its prompt; it decodes from now on
+        engine.add_request("long", None, SamplingParams(max_tokens=2, ignore_eos=True),
+                           prompt_token_ids=list(range(1, 101)))
+        engine.step()
+        computed = engine.scheduler.requests["long"].num_computed_tokens
+        while engine.has_unfinished_requests():
+            engine.step()
+        return computed
+
+    offline = LLM(tiny_llama_dir, **opts).llm_engine
+    assert offline.scheduler.config.max_prefill_tokens_with_decodes == 128  # the step budget
+    assert computed_in_one_step(offline) == 100
+    bounded = LLM(tiny_llama_dir, max_prefill_tokens_with_decodes=8, **opts).llm_engine
+    assert computed_in_one_step(bounded) == 8
+    served = LLMEngine(EngineArgs(model=tiny_llama_dir, **opts))
+    assert served.scheduler.config.max_prefill_tokens_with_decodes == DEFAULT_CPU_PREFILL_WITH_DECODES
+    assert computed_in_one_step(served) == DEFAULT_CPU_PREFILL_WITH_DECODES

@@ -58,8 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
                    help="most tokens one step computes (default: CPU 2048, GPU 8192)")
     g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                    help="prompt tokens a step may compute while requests are decoding, so "
-                        "no stream waits behind a whole long prompt (default: CPU 96, GPU "
-                        "2048)")
+                        "no stream waits behind a whole long prompt (default: CPU 64, GPU "
+                        "2048; offline runs such as bench throughput: no bound)")
     g.add_argument("--speculative-config", default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4}\' (also prompt_lookup_min, '

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 
 from pagedlm.config import EngineArgs
+from pagedlm.engine.core_sizing import UNBOUNDED_PREFILL_WITH_DECODES
 from pagedlm.engine.llm_engine import LLMEngine
 from pagedlm.engine.output_processor import RequestOutputKind
 from pagedlm.engine.stats import EngineStats
@@ -33,6 +34,9 @@ class LLM:
         if unknown:
             raise ValueError(f"unknown engine option(s): {', '.join(unknown)}; "
                              f"known: {', '.join(sorted(_ENGINE_ARG_NAMES - {'model'}))}")
+        if kwargs.get("max_prefill_tokens_with_decodes") is None:
+            # Offline, a prompt is not spread over steps next to decodes (core_sizing.py).
+            kwargs["max_prefill_tokens_with_decodes"] = UNBOUNDED_PREFILL_WITH_DECODES
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._counter = itertools.count()
 
