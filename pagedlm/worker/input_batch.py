@@ -131,28 +131,28 @@ class InputBatch:
         new_token_ids, token_offsets = cached.new_token_ids, cached.token_offsets
         lens = list(map(len, new_token_ids))
         if lens.count(1) == len(lens):  # every request one token (most steps)
-            offsets = np.asarray(token_offsets, dtype=np.int64)
-            self._fit_tokens(max(token_offsets) + 1)
-            self.token_ids[rows, offsets] = [tokens[0] for tokens in new_token_ids]
-            # Appending grows the row; replacing the last token leaves its length.
-            self.num_tokens[rows] = np.maximum(self.num_tokens[rows], offsets + 1)
+            one_rows, one_offsets = rows, token_offsets
+            one_tokens = [tokens[0] for tokens in new_token_ids]
+            longer: list[int] = []
         else:
-            num_new = np.array(lens, dtype=np.int64)
-            ones = np.flatnonzero(num_new == 1)
-            if ones.size:
-                one_rows = rows[ones]
-                offsets = np.asarray(token_offsets, dtype=np.int64)[ones]
-                self._fit_tokens(int(offsets.max()) + 1)
-                self.token_ids[one_rows, offsets] = [new_token_ids[i][0] for i in ones.tolist()]
-                self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
-            for i in np.flatnonzero(num_new > 1).tolist():
-                row, tokens = int(rows[i]), new_token_ids[i]
-                start = token_offsets[i]
-                end = start + len(tokens)
-                self._fit_tokens(end)
-                self.token_ids[row, start:end] = tokens
-                self.token_ids[row, end : self.num_tokens[row]] = 0
-                self.num_tokens[row] = end
+            ones = [i for i, n in enumerate(lens) if n == 1]
+            one_rows, one_offsets = rows[ones], [token_offsets[i] for i in ones]
+            one_tokens = [new_token_ids[i][0] for i in ones]
+            longer = [i for i, n in enumerate(lens) if n > 1]
+        if one_offsets:
+            offsets = np.asarray(one_offsets, dtype=np.int64)
+            self._fit_tokens(max(one_offsets) + 1)
+            self.token_ids[one_rows, offsets] = one_tokens
+            # Appending grows the row; replacing the last token leaves its length.
+            self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
+        for i in longer:
+            row, tokens = int(rows[i]), new_token_ids[i]
+            start = token_offsets[i]
+            end = start + len(tokens)
+            self._fit_tokens(end)
+            self.token_ids[row, start:end] = tokens
+            self.token_ids[row, end : self.num_tokens[row]] = 0
+            self.num_tokens[row] = end
         if not any(cached.new_block_ids):
             return
         num_blocks = self.num_blocks
