@@ -152,8 +152,7 @@ class OutputProcessor:
             except Exception as e:
                 failed[state.request_id] = _describe_failure(state.request_id, e)
                 continue
-            if output is not None:
-                outputs.append(output)
+            outputs.append(output)
             if finished:
                 self._forget(state)
         for request_id, message in failed.items():
@@ -216,7 +215,7 @@ class OutputProcessor:
                 seq.finish_reason = "abort"
                 state.finished.add(seq.index)
         state.metrics.finished_time = time.monotonic()
-        output = self._make_output(state, force=True)
+        output = self._make_output(state)
         self._forget(state)
         return output
 
@@ -245,11 +244,10 @@ class OutputProcessor:
             return [None] * len(ids)
         return self.tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
 
-    def _make_output(self, state: RequestState, force: bool = False) -> RequestOutput | None:
-        kind = state.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not state.is_finished and not force:
-            return None
-        delta = kind == RequestOutputKind.DELTA
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        """The request's output now (process() calls it for a final-only request only once
+        the request is finished)."""
+        delta = state.output_kind == RequestOutputKind.DELTA
         completions = [self._completion(seq, delta, state.is_finished) for seq in state.sequences]
         if len(completions) > state.params.n:
             # best_of: keep the n samples with the highest cumulative logprob, best first.
