@@ -18,13 +18,13 @@ import pytest
 from pagedlm.csrc import CFLAGS, library_sources, load_variant
 
 # kernel -> (source stem, module whose loader to replace, loader name, test file, -k filter)
-# (q8 and decode live in the decoder's library: csrc/__init__.py BUNDLED)
+# (all three live in the decoder's library: csrc/__init__.py BUNDLED)
 KERNELS = {
     "q8": ("llama_decode_cpu", "pagedlm.layers.q8_weights", "q8_kernels", "tests/test_q8_gemm.py",
            "not engine"),
     "decode": ("llama_decode_cpu", "pagedlm.attention.cpu_kernels", "load_cpu_kernels",
                "tests/test_cpu_attention.py", ""),
-    "prefill": ("prefill_attention_cpu", "pagedlm.attention.cpu_kernels", "load_prefill_kernels",
+    "prefill": ("llama_decode_cpu", "pagedlm.attention.cpu_kernels", "load_prefill_kernels",
                 "tests/test_cpu_prefill_attention.py", ""),
 }
 

@@ -128,7 +128,7 @@ def test_the_install_build_leaves_a_held_build_to_its_holder(kernel_dir, fake_co
         assert build.main(["--install"]) == 0
     assert sorted(fake_compiler) == sorted(set(csrc.kernel_stems()) - {"sampler_cpu"})
     log = (kernel_dir / "install.log").read_text()
-    assert "building llama_decode_cpu, prefill_attention_cpu" in log and "done in" in log
+    assert "building llama_decode_cpu" in log and "done in" in log
     assert build.main(["--install"]) == 0  # a second run has nothing to do
     assert "sampler_cpu" in fake_compiler
 
@@ -210,7 +210,7 @@ def test_no_compiler_is_one_clear_line_and_the_torch_path(kernel_dir, monkeypatc
     finally:
         csrc.load_extension.cache_clear()
     lines = [r.getMessage() for r in caplog.records]
-    assert lines == ["CPU kernels llama_decode_cpu, prefill_attention_cpu, sampler_cpu "
+    assert lines == ["CPU kernels llama_decode_cpu, sampler_cpu "
                      "unavailable: no C++ compiler ('no-such-c++' is not on the PATH: install "
                      "one, e.g. `apt install g++`, or name it in CXX); using the slower torch "
                      "path"]
@@ -242,7 +242,7 @@ def test_old_libraries_of_a_kernel_are_pruned(kernel_dir, fake_compiler, csrc_co
         path.with_suffix(".lock").write_text("")
         os.utime(path, (1000 + i, 1000 + i))
         old.append(path)
-    other = kernel_dir / f"pagedlm_prefill_attention_cpu_{0:012d}.so"
+    other = kernel_dir / f"pagedlm_llama_decode_cpu_{0:012d}.so"
     other.write_bytes(b"")
     os.utime(other, (1, 1))
     csrc.ensure_built(["sampler_cpu"])

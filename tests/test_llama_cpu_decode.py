@@ -1,6 +1,7 @@
-"""The C++ decoder of pure-decode steps (models/llama_cpu_decode.py) against the model's own
-Python layers, its reference: same tokens and the very same logprobs (it runs the same
-kernels in the same order), KV blocks all returned, and the models it must not take.
+"""The C++ decoder (models/llama_cpu_decode.py) against the model's own Python layers, its
+reference: same tokens and the very same logprobs (it runs the same kernels in the same
+order) over decode, prefill and mixed steps, KV blocks all returned, and the models and
+steps it must not take.
 Prefix caching is off: a second run would reuse the first one's prompt blocks, and a
 prefill over cached blocks rounds differently from a whole one."""
 
@@ -18,36 +19,43 @@ PROMPTS = [
 ]
 
 
-def _generate(llm, fused: bool):
+class Recording:
+    """Stands in for the runner's decoder and records each step it ran: (decodes, prefills)."""
+
+    def __init__(self, decoder) -> None:
+        self.decoder, self.steps = decoder, []
+        self.takes = decoder.takes
+
+    def __call__(self, input_ids, positions, meta, *rest):
+        self.steps.append((meta.num_decodes, meta.num_prefills))
+        return self.decoder(input_ids, positions, meta, *rest)
+
+
+def _generate(llm, fused: bool, prompts=PROMPTS):
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
     runner._forward = runner._forward_cpu_decoder if fused else runner._forward_eager
-    calls = []
     decoder = runner.cpu_decoder
-    original = decoder.__call__
-
-    class Counting:  # counts the steps the decoder took, to show it ran
-        def __call__(self, *args):
-            calls.append(1)
-            return original(*args)
-
-    runner.cpu_decoder = Counting()
+    runner.cpu_decoder = recording = Recording(decoder)
     try:
         params = SamplingParams(max_tokens=12, temperature=0, logprobs=3, ignore_eos=True)
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outs = llm.generate(prompts, params, use_tqdm=False)
     finally:
         runner.cpu_decoder = decoder
     kv = llm.llm_engine.scheduler.kv
     kv.block_pool.check_invariants()
     assert kv.num_free_blocks == kv.num_blocks
-    return outs, len(calls)
+    return outs, recording.steps
 
 
-def _check_same_as_layers(llm):
+def _check_same_as_layers(llm, prompts=PROMPTS, mixed=False):
+    """`mixed`: some step has decodes next to prefill chunks (and the decoder ran it)."""
     assert llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder is not None
-    fused, steps = _generate(llm, fused=True)
-    assert steps >= 10
-    eager, none = _generate(llm, fused=False)
-    assert none == 0
+    fused, steps = _generate(llm, fused=True, prompts=prompts)
+    assert len(steps) >= 10
+    assert any(p for _, p in steps)  # the prompts' steps too
+    assert not mixed or any(d and p for d, p in steps)
+    eager, none = _generate(llm, fused=False, prompts=prompts)
+    assert none == []
     for a, b in zip(fused, eager):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for pa, pb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
@@ -111,6 +119,8 @@ def test_decoder_reuses_and_grows_its_buffers(tiny_llama_dir):
     original = decoder.__call__
 
     class Keeping:  # holds on to each step's returned hidden states and a copy of them
+        takes = decoder.takes
+
         def __call__(self, *args):
             out = original(*args)
             kept.append((out, out.clone()))
@@ -143,7 +153,7 @@ def test_decoder_writes_each_cache_dtype_as_the_layers_do(tiny_llama_dir, kv_dty
 
 def test_decoder_with_a_sliding_window_and_mixed_steps(tmp_path):
     """A window shorter than the prompts, and chunked prefills of 16 tokens that share steps
-    with decodes (those steps run the Python layers; the pure-decode ones the decoder)."""
+    with decodes: the decoder runs those steps too."""
     from transformers import MistralConfig, MistralForCausalLM
 
     from tests.conftest import _save_tiny
@@ -151,7 +161,7 @@ def test_decoder_with_a_sliding_window_and_mixed_steps(tmp_path):
     path = _save_tiny(tmp_path, MistralConfig, MistralForCausalLM, seed=3, sliding_window=8)
     llm = LLM(path, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1,
               max_num_batched_tokens=16, enable_prefix_caching=False)
-    _check_same_as_layers(llm)
+    _check_same_as_layers(llm, mixed=True)
 
 
 def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
@@ -173,11 +183,20 @@ def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
 def test_bad_slots_are_refused(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
     decoder = llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder.decoder
-    x = torch.zeros(1, 64)
+    x, table = torch.zeros(1, 64), torch.zeros(1, 4, dtype=torch.long)
     with pytest.raises(RuntimeError, match="outside the KV cache"):
-        decoder.forward(x, torch.tensor([0]), torch.tensor([10**9]), torch.zeros(1, 4, dtype=torch.long), [1])
-    with pytest.raises(RuntimeError, match="one position, slot and seq_len per token"):
-        decoder.forward(x, torch.tensor([0, 1]), torch.tensor([0]), torch.zeros(1, 4, dtype=torch.long), [1])
+        decoder.forward(x, torch.tensor([0]), torch.tensor([10**9]), table, [1], 1, [])
+    with pytest.raises(RuntimeError, match="one position and slot per token"):
+        decoder.forward(x, torch.tensor([0, 1]), torch.tensor([0]), table, [1], 1, [])
+    with pytest.raises(RuntimeError, match="one seq_len per token in a pure-decode step"):
+        decoder.forward(x, torch.tensor([0]), torch.tensor([0]), table, [1], 0, [])
+    x3, pos3, slots3 = torch.zeros(3, 64), torch.tensor([4, 0, 1]), torch.tensor([4, 8, 9])
+    tables = torch.zeros(2, 4, dtype=torch.long)
+    for num_decodes, starts in ((1, [0, 1]), (1, [0, 1, 4]), (2, [0, 1, 3])):
+        with pytest.raises(RuntimeError, match="query_start must hold num_seqs"):
+            decoder.forward(x3, pos3, slots3, tables, [5, 2], num_decodes, starts)
+    with pytest.raises(RuntimeError, match="do not fit its block table"):
+        decoder.forward(x3, pos3, slots3, tables, [5, 2**20], 1, [0, 1, 3])
 
 
 def test_profile_times_each_part_of_the_decode_steps(tiny_llama_dir):

@@ -394,25 +394,29 @@ def test_mixed_batch_equals_each_row_alone(zoo, llama_llm, max_loras):
         llm.llm_engine.shutdown()
 
 
-def test_the_cpu_decoder_applies_adapters_in_decode_steps(zoo, llama_llm, monkeypatch):
-    """Decode steps with adapter rows run through the C++ decoder, which applies each
-    token's adapter after every matmul: the tokens are HF + PEFT's."""
+def test_the_cpu_decoder_applies_adapters(zoo, llama_llm, monkeypatch):
+    """Steps with adapter rows, prompts and decodes alike, run through the C++ decoder,
+    which applies each token's adapter after every matmul: the tokens are HF + PEFT's."""
     runner = llama_llm.llm_engine.model_executor.driver_worker.model_runner
     decoder = runner.cpu_decoder
     assert decoder is not None, "the tiny Llama should qualify for the C++ decoder"
     seen = []
 
     class Spy:
+        takes = decoder.takes
+
         def __call__(self, input_ids, positions, meta, lora_slots=None):
-            seen.append(None if lora_slots is None else lora_slots.tolist())
+            seen.append((meta.num_prefills, None if lora_slots is None else lora_slots.tolist()))
             return decoder(input_ids, positions, meta, lora_slots)
 
     monkeypatch.setattr(runner, "cpu_decoder", Spy())
     got, _ = generate(llama_llm, MIXED, zoo=zoo)
     for (prompt, adapter), tokens in zip(MIXED, got):
         zoo.check(tokens, "llama", adapter, prompt, context="C++ decoder")
-    mixed_steps = [s for s in seen if s is not None and -1 in s and max(s) >= 0]
-    assert mixed_steps, f"no decode step mixed adapters and the base in the decoder: {seen}"
+    mixed_steps = [s for _, s in seen if s is not None and -1 in s and max(s) >= 0]
+    assert mixed_steps, f"no step mixed adapters and the base in the decoder: {seen}"
+    assert any(p and s is not None and max(s) >= 0 for p, s in seen), \
+        f"no prompt with an adapter ran through the decoder: {seen}"
 
 
 def test_preemption_with_adapters(zoo):

@@ -47,15 +47,18 @@ KEY_LENGTH = 12
 # What to do without a compiler (both the build's error and the engine's warning say it).
 NO_COMPILER_FIX = "install one, e.g. `apt install g++`, or name it in CXX"
 
-# Kernel files llama_decode_cpu.cpp #includes: no library of their own, the decoder's
-# exports their functions (each file's bind_<stem>).
+# Kernel files with no library of their own: the decoder's exports their functions (each
+# file's bind_<stem>), #included by llama_decode_cpu.cpp or compiled beside it
+# (LIBRARY_SOURCES).
 BUNDLED = {stem: "llama_decode_cpu" for stem in (
     "block_gemv_cpu", "layer_ops_cpu", "lora_cpu", "paged_attention_cpu", "panel_gemm_cpu",
-    "q8_gemm_cpu", "shm_allreduce_cpu")}
+    "prefill_attention_cpu", "q8_gemm_cpu", "shm_allreduce_cpu")}
 
 # Libraries built from more than their own source: translation units the compiler runs in
-# parallel (paged attention takes as long to compile as every other decoder kernel together).
-LIBRARY_SOURCES = {"llama_decode_cpu": ["llama_decode_cpu", "paged_attention_cpu"]}
+# parallel (each attention kernel takes about as long to compile as every other decoder
+# kernel together).
+LIBRARY_SOURCES = {"llama_decode_cpu": ["llama_decode_cpu", "paged_attention_cpu",
+                                        "prefill_attention_cpu"]}
 
 
 class BuildError(RuntimeError):

@@ -1,15 +1,16 @@
-// Every decoder layer of a Llama-family model for a pure-decode step (one new token per
-// sequence), in one call from Python. At decode sizes a layer's dozen torch ops and module
-// calls cost more in dispatch than in arithmetic (a batch-1 step of SmolLM2-135M with q8
-// weights: 25.3 ms through the Python layers, 12.2 ms here); each layer is a straight run
-// of the kernels the Python layers call one by one, with the same inputs, so the result is
-// the same float for float:
+// Every decoder layer of a Llama-family model for one engine step of up to a few hundred
+// tokens (decodes, prefill chunks, or both), in one call from Python. At these sizes a
+// layer's dozen torch ops and module calls cost more in dispatch than in arithmetic (a
+// batch-1 step of SmolLM2-135M with q8 weights: 25.3 ms through the Python layers, 12.2 ms
+// here); each layer is a straight run of the kernels the Python layers call one by one,
+// with the same inputs, so the result is the same float for float:
 //
 //   h = rms_norm(x (+ residual))                 layer_ops_cpu.cpp
 //   qkv = h @ Wqkv.T (+ b)                       q8_gemm / panel_gemm / block_gemv_cpu.cpp
 //   q, k = rotary(positions, q, k)               layer_ops_cpu.cpp
 //   cache[slot] = k, v                           (below; the cache's dtype, rounded to nearest)
-//   o = paged_decode(q * scale, cache, ...)      paged_attention_cpu.cpp
+//   o = paged_decode(q * scale, cache, ...)      paged_attention_cpu.cpp (decodes)
+//       paged_prefill(q, cache, scale, ...)      prefill_attention_cpu.cpp (prefill chunks)
 //   x = o @ Wo.T (+ b);  h, residual = rms_norm(x + residual)
 //   x = down(silu_and_mul(gate_up(h)))
 //
@@ -20,16 +21,17 @@
 // buffers the decoder keeps from step to step (Workspace, below), not into new tensors.
 // The model's Python layers
 // (models/llama.py) are the reference; models/llama_cpu_decode.py decides which models
-// qualify and tests/test_llama_cpu_decode.py compares the two.
-
+// and steps qualify and tests/test_llama_cpu_decode.py compares the two.
+//
 // Those kernels have no module of their own: this one exports their functions too
-// (csrc/__init__.py BUNDLED), so their code compiles once. Paged attention, the longest
-// of them to compile, is a second translation unit of this library, built beside this one.
+// (csrc/__init__.py BUNDLED), so their code compiles once. The two attention kernels, the
+// longest of them to compile, are translation units of this library built beside this one.
 #include "block_gemv_cpu.cpp"
 #include "layer_ops_cpu.cpp"
 #include "lora_cpu.cpp"
 #include "paged_attention_cpu.h"
 #include "panel_gemm_cpu.cpp"
+#include "prefill_attention_cpu.h"
 #include "q8_gemm_cpu.cpp"
 #include "shm_allreduce_cpu.cpp"
 
@@ -278,17 +280,45 @@ class LlamaDecoder {
     layers_.push_back(std::move(layer));
   }
 
-  // x [n, hidden] float32: the embedded tokens, one per sequence; positions [n] int64;
-  // slot_mapping [n] int64; block_tables [n, max_blocks] int64; seq_lens incl. the new
-  // token. Returns the final-normed hidden states [n, hidden].
+  // x [n, hidden] float32: the step's embedded tokens, the decodes' first (one token per
+  // sequence), then each prefill's (attention/metadata.py's order); positions [n] int64;
+  // slot_mapping [n] int64; block_tables [num_seqs, max_blocks] int64; seq_lens [num_seqs]
+  // incl. the new tokens; num_decodes: the sequences at the front with one token each;
+  // query_start [num_seqs + 1]: each sequence's first token, or empty when every sequence
+  // decodes (num_decodes == num_seqs == n). Returns the final-normed hidden states [n, hidden].
   torch::Tensor forward(torch::Tensor x, torch::Tensor positions, torch::Tensor slot_mapping,
-                        torch::Tensor block_tables, std::vector<int64_t> seq_lens) {
+                        torch::Tensor block_tables, std::vector<int64_t> seq_lens,
+                        int64_t num_decodes, std::vector<int64_t> query_start) {
     const int64_t n = x.size(0);
+    const int64_t num_seqs = static_cast<int64_t>(seq_lens.size());
     TORCH_CHECK(!layers_.empty(), "no layers added");
     TORCH_CHECK(positions.dim() == 1 && positions.size(0) == n && slot_mapping.dim() == 1 &&
                     slot_mapping.size(0) == n && slot_mapping.scalar_type() == torch::kLong &&
-                    slot_mapping.is_contiguous() && static_cast<int64_t>(seq_lens.size()) == n,
-                "one position, slot and seq_len per token");
+                    slot_mapping.is_contiguous(),
+                "one position and slot per token");
+    if (query_start.empty()) {
+      TORCH_CHECK(num_seqs == n && num_decodes == n, "one seq_len per token in a pure-decode step");
+    } else {
+      TORCH_CHECK(static_cast<int64_t>(query_start.size()) == num_seqs + 1 && query_start.front() == 0 &&
+                      query_start.back() == n && 0 <= num_decodes && num_decodes <= num_seqs &&
+                      query_start[num_decodes] == num_decodes,
+                  "query_start must hold num_seqs + 1 offsets from 0 to num_tokens, one token for "
+                  "each of the num_decodes first sequences");
+    }
+    TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == num_seqs &&
+                    block_tables.scalar_type() == torch::kLong && block_tables.is_contiguous(),
+                "block_tables must be contiguous int64 [num_seqs, max_blocks]");
+    // The prefills' rows, as the prefill kernel takes them.
+    const int64_t nd = num_decodes, np = n - num_decodes;
+    std::vector<int64_t> prefill_start, prefill_lens;
+    if (np > 0) {
+      prefill_start.assign(query_start.begin() + nd, query_start.end());
+      for (int64_t& s : prefill_start) s -= nd;
+      prefill_lens.assign(seq_lens.begin() + nd, seq_lens.end());
+    }
+    const std::vector<int64_t> decode_lens(seq_lens.begin(), seq_lens.begin() + nd);
+    const torch::Tensor decode_tables = block_tables.narrow(0, 0, nd);
+    const torch::Tensor prefill_tables = block_tables.narrow(0, nd, num_seqs - nd);
     const int64_t num_slots = layers_[0].k_cache.size(0) * layers_[0].k_cache.size(1);
     const int64_t* slots = slot_mapping.data_ptr<int64_t>();
     for (int64_t t = 0; t < n; ++t) {
@@ -330,11 +360,21 @@ class LlamaDecoder {
       write_cache(k.view({n, kv_size}), layer.k_cache, slots, n, layer.k_inv, layer.fp8_max);
       write_cache(qkv.narrow(1, q_size + kv_size, kv_size), layer.v_cache, slots, n, layer.v_inv,
                   layer.fp8_max);
+      // The decode kernel takes its queries scaled, the prefill kernel its scale (as the
+      // Python backend calls them: attention/cpu_kernels.py).
       float* q_p = q.data_ptr<float>();
-      for (int64_t i = 0; i < n * q_size; ++i) q_p[i] *= layer.q_scale;
+      for (int64_t i = 0; i < nd * q_size; ++i) q_p[i] *= layer.q_scale;
       clock.lap(kRotaryCache);
-      paged_decode_into(q, layer.k_cache, layer.v_cache, block_tables, seq_lens, 0.0, layer.window,
-                        c10::nullopt, attn);  // [n, heads, head_dim]
+      if (nd > 0) {
+        torch::Tensor attn_d = attn.narrow(0, 0, nd);
+        paged_decode_into(q.narrow(0, 0, nd), layer.k_cache, layer.v_cache, decode_tables,
+                          decode_lens, 0.0, layer.window, c10::nullopt, attn_d);
+      }
+      if (np > 0) {  // [np, heads, head_dim]
+        torch::Tensor attn_p = attn.narrow(0, nd, np);
+        paged_prefill_into(q.narrow(0, nd, np), layer.k_cache, layer.v_cache, prefill_tables,
+                           prefill_start, prefill_lens, layer.q_scale, layer.window, attn_p);
+      }
       if (layer.fp8_max > 0) {
         float* a_p = attn.data_ptr<float>();
         for (int64_t i = 0; i < n * q_size; ++i) a_p[i] *= layer.out_scale;
@@ -431,6 +471,7 @@ PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_lora_cpu(m);
   bind_paged_attention_cpu(m);
   bind_panel_gemm_cpu(m);
+  bind_prefill_attention_cpu(m);
   bind_q8_gemm_cpu(m);
   bind_shm_allreduce_cpu(m);
   // (lite_bind.h's types are per library: a second build of this one in a process, as

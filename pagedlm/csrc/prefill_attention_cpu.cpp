@@ -22,7 +22,7 @@
 // and are handed out one at a time, so the threads finish together although causal items
 // differ in length: torch's SDPA takes one call per sequence, each split on its own.
 
-#include "lite_bind.h"
+#include "prefill_attention_cpu.h"
 
 #include <algorithm>
 #include <atomic>
@@ -329,14 +329,11 @@ void run_prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const tor
 
 }  // namespace
 
-// q [num_tokens, num_heads, head_dim] float32 contiguous (the prefill rows of the step,
-// sequence after sequence); caches as in the header; block_tables [num_seqs, max_blocks]
-// int64; query_start [num_seqs + 1] offsets into q's rows; seq_lens [num_seqs] each
-// sequence's context length including its new tokens; window <= 0 for none.
-// Returns [num_tokens, num_heads, head_dim] float32.
-torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                            torch::Tensor block_tables, std::vector<int64_t> query_start,
-                            std::vector<int64_t> seq_lens, double scale, int64_t window) {
+// (Arguments: prefill_attention_cpu.h.)
+void paged_prefill_into(const torch::Tensor& q, const torch::Tensor& k_cache,
+                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                        const std::vector<int64_t>& query_start, const std::vector<int64_t>& seq_lens,
+                        double scale, int64_t window, torch::Tensor& out) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_prefill runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == torch::kFloat && q.is_contiguous(),
@@ -356,6 +353,8 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   TORCH_CHECK(query_start.size() == seq_lens.size() + 1 && query_start.front() == 0 &&
                   query_start.back() == q.size(0),
               "query_start must hold num_seqs + 1 offsets from 0 to num_tokens");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == torch::kFloat && out.is_contiguous(),
+              "out must be a contiguous float32 tensor shaped as q");
   const int64_t block_size = k_cache.size(1), max_blocks = block_tables.size(1);
   for (size_t r = 0; r < seq_lens.size(); ++r) {
     const int64_t q_len = query_start[r + 1] - query_start[r];
@@ -363,16 +362,25 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
                 "sequence ", r, ": ", q_len, " queries and context length ", seq_lens[r],
                 " do not fit its block table of ", max_blocks, " blocks");
   }
-  torch::Tensor out = torch::empty_like(q);
-  if (q.size(0) == 0) return out;
+  if (q.size(0) == 0) return;
   const bool known = pagedlm::visit_cache_dtype(k_cache.scalar_type(), [&](auto tag) {
     run_prefill<decltype(tag)>(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
   });
   TORCH_CHECK(known, "cache dtype must be float32, float16, bfloat16 or float8 (e4m3fn, e5m2)");
+}
+
+// As paged_prefill_into, into a new tensor.
+torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                            torch::Tensor block_tables, std::vector<int64_t> query_start,
+                            std::vector<int64_t> seq_lens, double scale, int64_t window) {
+  torch::Tensor out = torch::empty_like(q);
+  paged_prefill_into(q, k_cache, v_cache, block_tables, query_start, seq_lens, scale, window, out);
   return out;
 }
 
-PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), whose
+// library compiles this file beside its own (csrc/__init__.py BUNDLED and LIBRARY_SOURCES).
+void bind_prefill_attention_cpu(lite_bind::Module& m) {
   m.def<&paged_prefill>("paged_prefill", "causal attention of every prefill of a step against its paged context, CPU");
   m.attr("lanes", kW);  // head_dim must be a multiple of this
 }

@@ -1,13 +1,19 @@
-"""Pure-decode steps of a Llama-family model on CPU in one C++ call (pagedlm/csrc/llama_decode_cpu.cpp).
+"""Engine steps of a Llama-family model on CPU in one C++ call (pagedlm/csrc/llama_decode_cpu.cpp).
 
 At decode sizes a decoder layer's dozen module calls and torch ops cost more in Python
 and dispatch than in arithmetic: on SmolLM2-135M with `weight_dtype='q8'`, a batch-1
 step takes 25.3 ms through the Python layers and 12.2 ms through this decoder
 (`pagedlm bench latency --batch-size 1`, with and without `--enforce-eager`). The C++ decoder runs the same kernels
 the layers call (the q8, float32 / float16 panel and GGUF-block matmuls, fused RMSNorm /
-rotary / SiLU, the paged decode kernel) in the same order, so its hidden states equal the
-layers' float for float; the Python layers stay the reference
-(tests/test_llama_cpu_decode.py) and run every step that holds a prefill.
+rotary / SiLU, the paged decode and prefill attention kernels) in the same order, so its
+hidden states equal the layers' float for float; the Python layers stay the reference
+(tests/test_llama_cpu_decode.py).
+
+It takes every pure-decode step, and every step of up to `MAX_STEP_TOKENS` tokens with
+prefill chunks in it: a server's steps of decodes next to a bounded prompt chunk, and
+speculative verification steps. Longer steps (a whole batch of prompts at once) run the
+Python layers, whose dispatch is then a small part of the step, without the decoder
+holding activation buffers that large from then on.
 
 Only models whose forward is exactly models/llama.py's qualify: `LlamaCpuDecoder.build`
 returns None with the reason otherwise (another layer class, a matmul other than those
@@ -22,6 +28,7 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from pagedlm.attention.cpu_kernels import prefill_kernel_supports
 from pagedlm.attention.cpu_paged import CpuPagedAttention
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.csrc import load_extension
@@ -41,6 +48,12 @@ from pagedlm.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
+
+# The most tokens of a step with prefills in it that the decoder takes. Its activation
+# buffers grow to the largest step it has run and stay (about 30 KB a token for
+# SmolLM2-135M, 270 KB for a 7B Llama); past a few hundred tokens the Python layers'
+# dispatch is a few percent of the step (benchmarks/cpu/step_kinds.py).
+MAX_STEP_TOKENS = 512
 
 
 def _why_not(model) -> str | None:
@@ -115,13 +128,16 @@ def _linear(kernels, lin):
 
 
 class LlamaCpuDecoder:
-    """`model.forward` for steps whose every request decodes one token, in one C++ call."""
+    """`model.forward` for a step, in one C++ call: see `takes`."""
 
     def __init__(self, model, kernels) -> None:
         inner = model.model
         attn0 = inner.layers[0].self_attn
         rotary = attn0.rotary_emb
         self.embed_tokens = inner.embed_tokens
+        # Prefill chunks need the prefill kernel for this head size (the Python backend
+        # otherwise runs them through torch: attention/cpu_paged.py).
+        self.takes_prefills = prefill_kernel_supports(attn0.head_dim)
         self._lora_layers: list = []
         self.decoder = kernels.LlamaDecoder(
             attn0.num_heads, attn0.num_kv_heads, attn0.head_dim, float(inner.norm.eps),
@@ -165,20 +181,27 @@ class LlamaCpuDecoder:
             return None, "the C++ kernels are not built"
         return cls(model, kernels), "every decoder layer"
 
+    def takes(self, meta: AttentionMetadata) -> bool:
+        """Whether the decoder runs this step: every pure-decode step, and steps with prefill
+        chunks of up to MAX_STEP_TOKENS tokens."""
+        return meta.num_prefills == 0 or (meta.num_tokens <= MAX_STEP_TOKENS
+                                          and self.takes_prefills)
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  meta: AttentionMetadata, lora_slots: torch.Tensor | None = None
                  ) -> torch.Tensor:  # [num_tokens, hidden]
-        """`lora_slots`: [num_tokens] int32 adapter slot per token (-1: none), or None."""
+        """A step `takes` accepts. `lora_slots`: [num_tokens] int32 adapter slot per token
+        (-1: none), or None."""
         x = self.embed_tokens(input_ids)  # [num_tokens, hidden]
         self.decoder.set_lora_slots(lora_slots)
+        # A pure-decode step needs no query offsets: one token per sequence.
+        query_start = meta.query_start_loc_cpu if meta.num_prefills else []
+        args = (x.contiguous(), positions.contiguous(), meta.slot_mapping.contiguous(),
+                meta.block_tables.contiguous(), meta.seq_lens_cpu, meta.num_decodes, query_start)
         if self.comm is None:
-            return self.decoder.forward(x.contiguous(), positions.contiguous(),
-                                        meta.slot_mapping.contiguous(),
-                                        meta.block_tables.contiguous(), meta.seq_lens_cpu)
+            return self.decoder.forward(*args)
         self.decoder.set_round(self.comm.round)
         try:
-            return self.decoder.forward(x.contiguous(), positions.contiguous(),
-                                        meta.slot_mapping.contiguous(),
-                                        meta.block_tables.contiguous(), meta.seq_lens_cpu)
+            return self.decoder.forward(*args)
         finally:
             self.comm.round = self.decoder.round()

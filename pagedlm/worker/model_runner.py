@@ -109,7 +109,7 @@ class ModelRunner:
         self.lora: LoRAModel | None = None  # adapter slots (worker/lora_model.py), if enabled
 
     def enable_cpu_decoder(self) -> str:
-        """Run pure-decode steps through the C++ decoder of models/llama_cpu_decode.py where
+        """Run the steps it takes (`LlamaCpuDecoder.takes`) through the C++ decoder of models/llama_cpu_decode.py where
         the model qualifies (call after `bind_kv_cache`). Returns what was done, for the log."""
         self.cpu_decoder, what = LlamaCpuDecoder.build(self.model)
         if self.cpu_decoder is None:
@@ -269,7 +269,7 @@ class ModelRunner:
         return self.model(inputs.input_ids, inputs.positions, inputs.meta)  # [num_tokens, hidden]
 
     def _forward_cpu_decoder(self, inputs: StepInputs) -> torch.Tensor:
-        if inputs.meta.num_prefills == 0:
+        if self.cpu_decoder.takes(inputs.meta):
             slots = self.lora.step.token_slots if self.lora is not None else None
             return self.cpu_decoder(inputs.input_ids, inputs.positions, inputs.meta, slots)
         return self._forward_eager(inputs)

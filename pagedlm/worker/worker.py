@@ -25,6 +25,7 @@ from pagedlm.layers.parallel_state import all_gather_last_dim
 from pagedlm.layers.weight_format import apply_weight_format
 from pagedlm.loader.model_loader import ModelSource, build_model
 from pagedlm.lora.adapter import LoRAAdapter
+from pagedlm.models.llama_cpu_decode import MAX_STEP_TOKENS
 from pagedlm.sampling_params import SamplingParams
 from pagedlm.worker.kv_cache import allocate_kv_cache, bytes_per_block, num_blocks_for_cuda
 from pagedlm.worker.lora_model import LoRAModel
@@ -236,11 +237,12 @@ class Worker:
         runner.bind_kv_cache(allocate_kv_cache(
             self.num_layers, num_blocks, self.args.block_size, self.num_kv_heads, self.head_dim,
             self.kv_cache_dtype, self.device))
-        # Pure-decode steps on CPU run every decoder layer in one C++ call where the model
-        # qualifies (models/llama_cpu_decode.py): the CPU's counterpart of CUDA graphs, and
-        # like them turned off by enforce_eager.
+        # Decode steps and short mixed ones on CPU run every decoder layer in one C++ call
+        # where the model qualifies (models/llama_cpu_decode.py): the CPU's counterpart of
+        # CUDA graphs, and like them turned off by enforce_eager.
         if self.device.type == "cpu" and not self.args.enforce_eager:
-            logger.info("C++ decoder for pure-decode steps: %s", runner.enable_cpu_decoder())
+            logger.info("C++ decoder for steps of up to %d tokens: %s", MAX_STEP_TOKENS,
+                        runner.enable_cpu_decoder())
         # Decode steps replay CUDA graphs unless told not to, or the backend plans from
         # per-step host values a graph would freeze (the torch backend's length buckets).
         self.cuda_graphs = (self.device.type == "cuda" and not self.args.enforce_eager
@@ -263,6 +265,6 @@ class Worker:
         return None
 
     def fast_paths(self) -> dict[str, bool]:
-        """Which fast paths this rank's pure-decode steps take (after initialize_cache)."""
+        """Which fast paths this rank's decode steps take (after initialize_cache)."""
         return {"cpu_decoder": self.model_runner.cpu_decoder is not None,
                 "cuda_graphs": self.cuda_graphs}
