@@ -419,6 +419,38 @@ def test_the_cpu_decoder_applies_adapters(zoo, llama_llm, monkeypatch):
         f"no prompt with an adapter ran through the decoder: {seen}"
 
 
+def test_long_adapter_prompt_chunks_run_the_python_layers(zoo, llama_llm, monkeypatch):
+    """A prompt chunk of MIN_GEMM_RUN or more tokens of one adapter is multiplied as a GEMM
+    pair by the Python layers, not token by token by the C++ decoder; the steps after it
+    stay in the decoder. The tokens are HF + PEFT's either way."""
+    from pagedlm.layers.lora import MIN_GEMM_RUN
+
+    runner = llama_llm.llm_engine.model_executor.driver_worker.model_runner
+    decoder, eager = runner.cpu_decoder, runner._forward_eager
+    in_decoder, in_layers = [], []
+
+    class Spy:
+        takes = decoder.takes
+
+        def __call__(self, input_ids, positions, meta, lora_slots=None):
+            in_decoder.append(meta.num_tokens)
+            return decoder(input_ids, positions, meta, lora_slots)
+
+    def layers(inputs):
+        in_layers.append(inputs.meta.num_tokens)
+        return eager(inputs)
+
+    monkeypatch.setattr(runner, "cpu_decoder", Spy())
+    monkeypatch.setattr(runner, "_forward_eager", layers)
+    long_prompt = [(7 * i + 3) % 500 + 1 for i in range(MIN_GEMM_RUN + 2)]
+    rows = [(long_prompt, "full"), (PROMPTS[1], "qv")]
+    got, _ = generate(llama_llm, rows, zoo=zoo)
+    for (prompt, adapter), tokens in zip(rows, got):
+        zoo.check(tokens, "llama", adapter, prompt, context="long adapter chunk")
+    assert in_layers and min(in_layers) >= MIN_GEMM_RUN, in_layers
+    assert in_decoder and max(in_decoder) < MIN_GEMM_RUN, in_decoder
+
+
 def test_preemption_with_adapters(zoo):
     """A cache too small for the batch: requests are preempted and come back (perhaps in
     another slot) with the same tokens."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.layers.lora import MIN_GEMM_RUN
 from pagedlm.models.llama_cpu_decode import LlamaCpuDecoder
 from pagedlm.sample.ops import compute_logprobs
 from pagedlm.sample.sampler import Sampler
@@ -153,10 +154,14 @@ class ModelRunner:
             self.lora.load(slot, adapter)
         inputs = self.prepare_inputs(sched)
         if self.lora is not None:
-            self.lora.step.set(inputs.lora_slots)
-            # CUDA graphs know nothing of adapters (the C++ decoder applies them).
-            forward = (self._forward if not self.lora.step.active
-                       or self.cpu_decoder is not None else self._forward_eager)
+            step = self.lora.step
+            step.set(inputs.lora_slots)
+            # CUDA graphs know nothing of adapters. The C++ decoder applies them token by
+            # token: a long run of one adapter's tokens (a prompt chunk), which the Python
+            # layers multiply as a GEMM pair, is theirs (layers/lora.py MIN_GEMM_RUN).
+            forward = (self._forward if not step.active or (
+                self.cpu_decoder is not None and not step.split(MIN_GEMM_RUN)[0])
+                else self._forward_eager)
             hidden = forward(inputs)  # [num_tokens, hidden]
         else:
             hidden = self._forward(inputs)  # [num_tokens, hidden]
