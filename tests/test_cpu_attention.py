@@ -98,9 +98,9 @@ def test_every_float8_code_reads_back_exactly(cache_dtype, head_dim):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("seq_lens", [[300], [40, 33], [5, 1000], [2000]])
-def test_small_batches_split_into_smaller_partitions(threads, seq_lens):
-    """Too few 256-token partitions for the threads: the kernel halves the partition size
-    (down to 32 tokens), so the same context is merged from more, shorter partitions."""
+def test_small_batches_split_their_kv_heads(threads, seq_lens):
+    """Too few 256-token partitions for the threads: the kernel splits each partition's kv
+    heads over several items (each writing its heads' part of the partition's results)."""
     g = torch.Generator().manual_seed(sum(seq_lens) + threads)
     num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
@@ -122,6 +122,48 @@ def test_small_batches_split_into_smaller_partitions(threads, seq_lens):
         torch.set_num_threads(before)
     ref = dense_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
     torch.testing.assert_close(out, ref, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64), (8, 8, 32), (8, 1, 32), (4, 2, 40), (3, 1, 20)])
+def test_a_rows_result_does_not_depend_on_its_batch(threads, num_heads, num_kv_heads, head_dim):
+    """Each sequence's output is bit for bit the same alone and beside any others: its
+    partitions (the order of its float sums) follow from its own length, never from the
+    batch's. Speculative verification relies on it (k + 1 rows must give what decoding one
+    at a time gives). Lengths below, at and above every partition size."""
+    g = torch.Generator().manual_seed(11 + threads + head_dim)
+    block_size = 16
+    seq_lens = [1, 31, 33, 64, 100, 129, 255, 300, 513, 1030]
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).half()
+    max_blocks = max(-(-n // block_size) for n in seq_lens)
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.long)
+    first = 1
+    for b, n in enumerate(seq_lens):
+        nb = -(-n // block_size)
+        block_tables[b, :nb] = torch.arange(first, first + nb)
+        first += nb
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125)
+        for b, n in enumerate(seq_lens):
+            alone = paged_decode_attention(query[b:b + 1], k_cache, v_cache,
+                                           block_tables[b:b + 1], [n], 0.125)
+            assert torch.equal(alone[0], batched[b]), f"sequence of {n} tokens"
+        # The same rows in another order, and each beside a copy of itself.
+        order = list(reversed(range(len(seq_lens))))
+        shuffled = paged_decode_attention(query[order], k_cache, v_cache, block_tables[order],
+                                          [seq_lens[i] for i in order], 0.125)
+        assert torch.equal(shuffled, batched[order])
+        twice = paged_decode_attention(query.repeat(2, 1, 1), k_cache, v_cache,
+                                       block_tables.repeat(2, 1), seq_lens * 2, 0.125)
+        assert torch.equal(twice[:len(seq_lens)], batched)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_rejects_bad_input():

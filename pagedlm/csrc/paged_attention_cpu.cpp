@@ -9,7 +9,13 @@
 // token's K (or V) values for all kv heads are one contiguous run, so an item reads its
 // blocks front to back. Each item computes, for every query head, the partition's softmax
 // maximum, sum of exponentials and un-normalised weighted sum of V; a second pass merges
-// the partitions of each (sequence, head):
+// the partitions of each (sequence, head). A step with fewer partitions than four per
+// thread (one short sequence) splits each partition's kv heads over several items instead.
+// The partitions (256 tokens from the first visible key) fix the order of a head's float
+// sums and follow from its sequence alone, and heads are computed apart either way: a
+// row's result is the same whatever else the step holds, bit for bit, so a speculative
+// verification's k + 1 rows give what decoding one token at a time gives
+// (tests/test_cpu_attention.py).
 //
 //   out = sum_p exp(m_p - m) * acc_p / sum_p exp(m_p - m) * s_p,   m = max_p m_p
 //
@@ -45,6 +51,8 @@ struct Item {
   int64_t seq;
   int64_t begin;  // first context token of the partition
   int64_t end;    // one past the last
+  int64_t slot = 0;  // where the partition's partial results go
+  int64_t kv0 = 0, kv1 = 0;  // the kv heads this item computes, [kv0, kv1)
 };
 
 // Row access: `dot` and `axpy` over one K/V row of head_dim values in the cache dtype.
@@ -217,7 +225,8 @@ inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int6
 }
 
 // acc[g, d0 : d0 + W * CB] = sum_i p[g * n + i] * (toks[i] + off)[d0 : d0 + W * CB], g < NG.
-// With `token_bytes` > 0 the loop also prefetches the tokens kPrefetchTokens ahead.
+// With `token_bytes` > 0 the loop also prefetches that many bytes of the tokens
+// kPrefetchTokens ahead, from `off`.
 template <int NG, int CB, typename L, typename cache_t>
 inline void pv_tile(const float* p, int64_t n, const cache_t* const* toks, int64_t off,
                     int64_t d0, float* acc /*[NG, D]*/, int64_t head_dim, int64_t token_bytes) {
@@ -226,7 +235,7 @@ inline void pv_tile(const float* p, int64_t n, const cache_t* const* toks, int64
   for (int g = 0; g < NG; ++g)
     for (int c = 0; c < CB; ++c) a[g][c] = L::zero();
   for (int64_t i = 0; i < n; ++i) {
-    if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens], token_bytes);
+    if (token_bytes > 0 && i + kPrefetchTokens < n) prefetch_token(toks[i + kPrefetchTokens] + off, token_bytes);
     V pb[NG];
     for (int g = 0; g < NG; ++g) pb[g] = L::set1(p[g * n + i]);
     const cache_t* row = toks[i] + off + d0;
@@ -272,23 +281,25 @@ inline void pv_heads_any(const float* p, int64_t n, const cache_t* const* toks, 
   pv_heads<NG, Lanes8>(p, n, toks, off, acc, head_dim, token_bytes);
 }
 
-// scores[h, i] = q_h . k_i for every query head h (scores [H, n], q [H, D]): token tiles
-// front to back, each tile's K values for all kv heads (one contiguous run per token)
-// before the next tile, NG <= 3 query heads of a group at a time. The loop also fetches
+// scores[h, i] = q_h . k_i for the query heads h of kv heads kv0 .. kv1 - 1 (scores [H, n],
+// q [H, D]): token tiles front to back, each tile's K values for those kv heads (one
+// contiguous run per token) before the next tile, NG <= 3 query heads of a group at a time. The loop also fetches
 // the V rows of the tokens ahead: the passes over V that follow then find them in cache
 // instead of waiting on DRAM at the start of each token (measured 1.2x for the whole
 // kernel on cold caches, benchmarks/cpu/decode_attention_cold.py).
 template <typename cache_t>
 void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* v_toks, int64_t n,
-            int64_t num_kv_heads, int64_t head_dim, int64_t group, float* scores) {
-  const int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
+            int64_t kv0, int64_t kv1, int64_t head_dim, int64_t group, float* scores) {
+  // The item's kv heads of a token: one contiguous run.
+  const int64_t first = kv0 * head_dim;
+  const int64_t token_bytes = (kv1 - kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
   for (int64_t i = 0; i < n; i += 4) {
     for (int64_t j = i + kPrefetchTokens; j < std::min(n, i + kPrefetchTokens + 4); ++j) {
-      prefetch_token(k_toks[j], token_bytes);
-      prefetch_token(v_toks[j], token_bytes);
+      prefetch_token(k_toks[j] + first, token_bytes);
+      prefetch_token(v_toks[j] + first, token_bytes);
     }
     const int count = static_cast<int>(std::min<int64_t>(4, n - i));
-    for (int64_t h = 0; h < num_kv_heads; ++h) {
+    for (int64_t h = kv0; h < kv1; ++h) {
       for (int64_t g0 = 0; g0 < group; g0 += 3) {
         const int64_t head = h * group + g0;
         const float* qh = q + head * head_dim;
@@ -303,14 +314,16 @@ void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* 
   }
 }
 
-// acc[h] = sum_i p[h, i] v_i for every query head h: one pass over the partition per
-// (kv head, NG query heads, 32 dims); the first pass prefetches whole tokens, the others
-// find them in cache (a partition's V is at most 256 tokens).
+// acc[h] = sum_i p[h, i] v_i for the query heads h of kv heads kv0 .. kv1 - 1: one pass
+// over the partition per (kv head, NG query heads, 32 dims); the first pass prefetches
+// those kv heads of each token, the others find them in cache (a partition's V is at most
+// 256 tokens).
 template <typename cache_t>
-void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t num_kv_heads,
+void pv_all(const float* p, const cache_t* const* v_toks, int64_t n, int64_t kv0, int64_t kv1,
             int64_t head_dim, int64_t group, float* acc) {
-  int64_t token_bytes = num_kv_heads * head_dim * static_cast<int64_t>(sizeof(cache_t));
-  for (int64_t h = 0; h < num_kv_heads; ++h) {
+  // The first pass prefetches the item's kv heads of each token (from kv head kv0 on).
+  int64_t token_bytes = (kv1 - kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t h = kv0; h < kv1; ++h) {
     for (int64_t g0 = 0; g0 < group; g0 += 3, token_bytes = 0) {
       const int64_t head = h * group + g0;
       const float* ph = p + head * n;
@@ -381,8 +394,10 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
                  int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
                  int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[H, P]*/,
                  float* acc /*[H, D]*/, float* m_out /*[H]*/, float* s_out /*[H]*/) {
+  // Query heads h0 .. h1 - 1 (those of kv heads kv0 .. kv1 - 1); the others' rows of
+  // scores, acc, m_out and s_out are left alone.
   const int64_t n = it.end - it.begin;
-  const int64_t num_heads = num_kv_heads * group;
+  const int64_t h0 = it.kv0 * group, h1 = it.kv1 * group;
   const int64_t token_stride = num_kv_heads * head_dim;
 #if defined(PAGEDLM_TILED)
   const bool tiled = head_dim % 8 == 0;
@@ -399,17 +414,17 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
   }
   if (tiled) {
 #if defined(PAGEDLM_TILED)
-    qk_all(q, k_toks, v_toks, n, num_kv_heads, head_dim, group, scores);
+    qk_all(q, k_toks, v_toks, n, it.kv0, it.kv1, head_dim, group, scores);
 #endif
   } else {
     for (int64_t i = 0; i < n; ++i) {
-      for (int64_t h = 0; h < num_heads; ++h) {
+      for (int64_t h = h0; h < h1; ++h) {
         scores[h * n + i] = dot(q + h * head_dim, k_toks[i] + (h / group) * head_dim, head_dim);
       }
     }
   }
   if (soft_cap > 0.f || slopes != nullptr) {
-    for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       for (int64_t i = 0; i < n; ++i) {
         float s = scores[h * n + i];
         if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
@@ -418,33 +433,19 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
       }
     }
   }
-  for (int64_t h = 0; h < num_heads; ++h) softmax_numerators(scores + h * n, n, m_out + h, s_out + h);
+  for (int64_t h = h0; h < h1; ++h) softmax_numerators(scores + h * n, n, m_out + h, s_out + h);
   if (tiled) {
 #if defined(PAGEDLM_TILED)
-    pv_all(scores, v_toks, n, num_kv_heads, head_dim, group, acc);
+    pv_all(scores, v_toks, n, it.kv0, it.kv1, head_dim, group, acc);
 #endif
     return;
   }
-  std::fill(acc, acc + num_heads * head_dim, 0.f);
+  std::fill(acc + h0 * head_dim, acc + h1 * head_dim, 0.f);
   for (int64_t i = 0; i < n; ++i) {
-    for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t h = h0; h < h1; ++h) {
       axpy(scores[h * n + i], v_toks[i] + (h / group) * head_dim, acc + h * head_dim, head_dim);
     }
   }
-}
-
-// The partition size: kMaxPartition, halved (down to 32) while the batch has fewer than
-// four partitions per thread, so that a short batch of short sequences still spreads.
-inline int64_t partition_size(const std::vector<int64_t>& spans) {
-  const auto num_items = [&](int64_t part) {
-    int64_t items = 0;
-    for (int64_t span : spans) items += (span + part - 1) / part;
-    return items;
-  };
-  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
-  int64_t part = kMaxPartition;
-  while (part > 32 && num_items(part) < want) part /= 2;
-  return part;
 }
 
 template <typename cache_t>
@@ -464,19 +465,32 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
     starts[b] = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
     spans[b] = seq_lens[b] - starts[b];
   }
-  const int64_t part = partition_size(spans);
+  // Partitions of kMaxPartition tokens from each sequence's first visible key (never a
+  // size chosen by the batch: see the header). With fewer than four per thread, each
+  // partition's kv heads are split over up to that many items.
+  const int64_t part = kMaxPartition;
+  int64_t num_parts = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) num_parts += (spans[b] + part - 1) / part;
+  const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
+  const int64_t splits = num_parts >= want ? 1
+      : std::min<int64_t>(num_kv_heads, (want + num_parts - 1) / std::max<int64_t>(1, num_parts));
+  const int64_t kv_per_item = (num_kv_heads + splits - 1) / splits;
   // Items run sequence by sequence, partition by partition; the partial results of one
   // sequence are consecutive slots for the merge below.
   std::vector<Item> items;
   std::vector<int64_t> first_slot(num_seqs + 1, 0);
+  int64_t slots = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    first_slot[b] = static_cast<int64_t>(items.size());
-    for (int64_t p = starts[b]; p < seq_lens[b]; p += part) {
-      items.push_back({b, p, std::min(p + part, seq_lens[b])});
+    first_slot[b] = slots;
+    for (int64_t p = starts[b]; p < seq_lens[b]; p += part, ++slots) {
+      for (int64_t kv = 0; kv < num_kv_heads; kv += kv_per_item) {
+        items.push_back({b, p, std::min(p + part, seq_lens[b]), slots, kv,
+                         std::min(num_kv_heads, kv + kv_per_item)});
+      }
     }
   }
-  const int64_t slots = static_cast<int64_t>(items.size());
   first_slot[num_seqs] = slots;
+  const int64_t num_items = static_cast<int64_t>(items.size());
 
   // The items' partial results [slots, heads, head_dim] and per-head maxima and sums
   // [slots, heads], in memory the calling thread keeps between calls (still in cache).
@@ -495,16 +509,16 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   // short ones last, in one small item each), so halves of the list can differ in work
   // several-fold.
   std::atomic<int64_t> next_item{0};
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), slots));
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * part);
-    for (int64_t i = next_item.fetch_add(1); i < slots; i = next_item.fetch_add(1)) {
+    for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
       const Item& it = items[i];
       decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
                            bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
                            seq_lens[it.seq] - 1, soft_cap, slopes, scores.data(),
-                           acc_p + i * num_heads * head_dim, max_p + i * num_heads,
-                           sum_p + i * num_heads);
+                           acc_p + it.slot * num_heads * head_dim, max_p + it.slot * num_heads,
+                           sum_p + it.slot * num_heads);
     }
   });
 
