@@ -1,8 +1,8 @@
 """Where a throughput run's time goes, step by step: the ShareGPT workload of
 `pagedlm bench throughput` (64 requests, seed 0, EOS ignored, float16 weights and KV cache
 by default), with every engine step timed and bucketed by what it computed (pure decode
-steps by their number of rows; steps that also prefill), and where the C++ decoder of
-pure-decode steps runs (--q8), its time per part of the layers.
+steps by their number of rows; steps that also prefill), and where the C++ decoder runs
+(--q8: decode steps and steps of up to 512 tokens), its time per part of the layers.
 
     python benchmarks/cpu/step_profile.py [--num-prompts 64] [--float32 | --q8]
 
@@ -68,7 +68,7 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
         return generate(*args, **kw)
 
     engine.model_executor.driver_worker.model_runner.execute_model, llm.generate = timed, generate_afresh
-    decoder = engine.model_executor.driver_worker.model_runner.cpu_decoder  # the C++ decoder of pure-decode steps, if on
+    decoder = engine.model_executor.driver_worker.model_runner.cpu_decoder  # the C++ decoder, if on
     if decoder is not None:
         original_generate = llm.generate
 
@@ -101,7 +101,7 @@ def profile(num_prompts: int, float32: bool, q8: bool = False) -> None:
     if decoder is not None:
         parts = decoder.decoder.profile()
         total = sum(t for _, t in parts)
-        print(f"pure-decode steps in the C++ decoder: {total:.2f} s in its layers")
+        print(f"steps in the C++ decoder: {total:.2f} s in its layers")
         for name, seconds in sorted(parts, key=lambda p: -p[1]):
             print(f"  {name:20s} {seconds:7.2f} s {100 * seconds / model_s:5.1f}% of the run's model time")
 
