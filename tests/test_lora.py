@@ -450,6 +450,15 @@ def test_long_adapter_prompt_chunks_run_the_python_layers(zoo, llama_llm, monkey
     assert in_layers and min(in_layers) >= MIN_GEMM_RUN, in_layers
     assert in_decoder and max(in_decoder) < MIN_GEMM_RUN, in_decoder
 
+    # Decode steps stay in the decoder however many of their rows share an adapter.
+    in_decoder.clear()
+    in_layers.clear()
+    many = [([3 + i % 200, 7], "full") for i in range(MIN_GEMM_RUN + 2)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    generate(llama_llm, many, params, zoo=zoo)
+    assert in_layers == [2 * len(many)], in_layers  # the prompts: one run of one adapter
+    assert in_decoder.count(len(many)) == 2, in_decoder  # the two decode steps
+
 
 def test_preemption_with_adapters(zoo):
     """A cache too small for the batch: requests are preempted and come back (perhaps in

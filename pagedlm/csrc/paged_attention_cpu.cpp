@@ -283,10 +283,10 @@ inline void pv_heads_any(const float* p, int64_t n, const cache_t* const* toks, 
 
 // scores[h, i] = q_h . k_i for the query heads h of kv heads kv0 .. kv1 - 1 (scores [H, n],
 // q [H, D]): token tiles front to back, each tile's K values for those kv heads (one
-// contiguous run per token) before the next tile, NG <= 3 query heads of a group at a time. The loop also fetches
-// the V rows of the tokens ahead: the passes over V that follow then find them in cache
-// instead of waiting on DRAM at the start of each token (measured 1.2x for the whole
-// kernel on cold caches, benchmarks/cpu/decode_attention_cold.py).
+// contiguous run per token) before the next tile, NG <= 3 query heads of a group at a
+// time. The loop also fetches the V rows of the tokens ahead: the passes over V that
+// follow then find them in cache instead of waiting on DRAM at the start of each token
+// (measured 1.2x for the whole kernel on cold caches, benchmarks/cpu/decode_attention_cold.py).
 template <typename cache_t>
 void qk_all(const float* q, const cache_t* const* k_toks, const cache_t* const* v_toks, int64_t n,
             int64_t kv0, int64_t kv1, int64_t head_dim, int64_t group, float* scores) {

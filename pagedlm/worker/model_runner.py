@@ -110,8 +110,9 @@ class ModelRunner:
         self.lora: LoRAModel | None = None  # adapter slots (worker/lora_model.py), if enabled
 
     def enable_cpu_decoder(self) -> str:
-        """Run the steps it takes (`LlamaCpuDecoder.takes`) through the C++ decoder of models/llama_cpu_decode.py where
-        the model qualifies (call after `bind_kv_cache`). Returns what was done, for the log."""
+        """Run the steps it takes (`LlamaCpuDecoder.takes`) through the C++ decoder of
+        models/llama_cpu_decode.py where the model qualifies (call after `bind_kv_cache`).
+        Returns what was done, for the log."""
         self.cpu_decoder, what = LlamaCpuDecoder.build(self.model)
         if self.cpu_decoder is None:
             if self._forward == self._forward_cpu_decoder:
@@ -157,11 +158,13 @@ class ModelRunner:
             step = self.lora.step
             step.set(inputs.lora_slots)
             # CUDA graphs know nothing of adapters. The C++ decoder applies them token by
-            # token: a long run of one adapter's tokens (a prompt chunk), which the Python
-            # layers multiply as a GEMM pair, is theirs (layers/lora.py MIN_GEMM_RUN).
-            forward = (self._forward if not step.active or (
-                self.cpu_decoder is not None and not step.split(MIN_GEMM_RUN)[0])
-                else self._forward_eager)
+            # token: a step with prompt chunks and a long run of one adapter's tokens, which
+            # the Python layers multiply as a GEMM pair, is theirs (layers/lora.py
+            # MIN_GEMM_RUN); pure-decode steps always stay in the decoder.
+            forward = self._forward
+            if step.active and (self.cpu_decoder is None or (
+                    inputs.meta.num_prefills and step.split(MIN_GEMM_RUN)[0])):
+                forward = self._forward_eager
             hidden = forward(inputs)  # [num_tokens, hidden]
         else:
             hidden = self._forward(inputs)  # [num_tokens, hidden]
