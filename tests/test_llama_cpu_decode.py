@@ -180,6 +180,27 @@ def test_models_it_must_not_take(tiny_llama_dir, tiny_models):
     assert "not the CPU kernels" in torch_backend.enable_cpu_decoder()
 
 
+def test_which_steps_the_decoder_takes(tiny_llama_dir):
+    """Every pure-decode step, however large; steps with prompt chunks up to MAX_STEP_TOKENS
+    tokens, and none where the prefill kernel does not take the head size."""
+    from types import SimpleNamespace
+
+    from pagedlm.models.llama_cpu_decode import MAX_STEP_TOKENS
+
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
+    decoder = llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder
+    assert decoder.takes_prefills
+
+    def step(num_prefills, num_tokens):
+        return SimpleNamespace(num_prefills=num_prefills, num_tokens=num_tokens)
+
+    assert decoder.takes(step(0, 4 * MAX_STEP_TOKENS))
+    assert decoder.takes(step(1, MAX_STEP_TOKENS))
+    assert not decoder.takes(step(1, MAX_STEP_TOKENS + 1))
+    decoder.takes_prefills = False
+    assert decoder.takes(step(0, 8)) and not decoder.takes(step(1, 8))
+
+
 def test_bad_slots_are_refused(tiny_llama_dir):
     llm = LLM(tiny_llama_dir, skip_tokenizer_init=True, weight_dtype="q8", num_threads=1)
     decoder = llm.llm_engine.model_executor.driver_worker.model_runner.cpu_decoder.decoder
