@@ -60,6 +60,14 @@ constexpr int64_t kBlock = 32;   // values per quantisation block
 constexpr int64_t kCols = 8;     // output features per panel
 constexpr int64_t kGroups = 8;   // groups of 4 values per block
 constexpr int64_t kUnpackRows = 32;  // up to this many rows of x, Q4_1 panels stay packed
+// A 512-bit tile over packed panels prefetches, block by block, the same block of the
+// thread's next pair of panels, so that the weights stream from memory while the tile
+// computes. Without it a step of a few rows waits on memory and then computes, instead of
+// both at once: with the weights streaming (`benchmarks/cpu/q8_gemm_revs.py --stream`),
+// 1.14x at 1 row, 1.24-1.32x at 4-8 rows (the rows of a speculative verification); one,
+// two or three pairs ahead measured the same. Past kPrefetchRows rows a panel is reused by
+// enough tiles to hide its load, and the prefetches measured 2-3% slower.
+constexpr int64_t kPrefetchRows = 64;
 
 // Activations of one call: r [M, K] int8, e and s [M, B] float32 (see the header); c [M, B]
 // = -128 * sum_j r[i, 32b + j], the offset term of a Q8_0 block's products with w + 128.
@@ -280,7 +288,7 @@ inline void tile(const int8_t* r, const float* e, const float* s, int64_t K, con
 template <int kRows, bool kQ4, bool kPacked>
 inline void tile512(const int8_t* r, const float* e, const float* s, const int32_t* c, int64_t K,
                     const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride,
-                    float* out) {
+                    float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
   static_assert(kRows >= 1 && kRows <= 8, "up to 8 rows");
   const int64_t B = K / kBlock;
 #define PAGEDLM_ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
@@ -298,7 +306,16 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
   };
+  constexpr int64_t kBlockBytes = (kPacked ? kGroups / 2 : kGroups) * 32;  // per panel
   for (int64_t b = 0; b < B; ++b) {
+    if (pf_w != nullptr) {  // the same block of the next pair of panels (see the top)
+      for (int64_t off = 0; off < kBlockBytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(pf_w + b * kBlockBytes + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(pf_w + wstride + b * kBlockBytes + off), _MM_HINT_T0);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(pf_sc + b * (kQ4 ? 16 : 8)), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf_sc + sstride + b * (kQ4 ? 16 : 8)), _MM_HINT_T0);
+    }
 #define PAGEDLM_DECL(i) \
   __m512i a##i = kQ4 ? _mm512_setzero_si512() : _mm512_set1_epi32(kRows > i ? c[i * B + b] : 0);
     PAGEDLM_ROWS8(PAGEDLM_DECL)
@@ -353,8 +370,8 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 template <bool kQ4, bool kPacked>
 void run_tile512(int rows, const int8_t* r, const float* e, const float* s, const int32_t* c,
                  int64_t K, const uint8_t* w, int64_t wstride, const at::Half* sc,
-                 int64_t sstride, float* out) {
-#define PAGEDLM_TILE(n) tile512<n, kQ4, kPacked>(r, e, s, c, K, w, wstride, sc, sstride, out)
+                 int64_t sstride, float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
+#define PAGEDLM_TILE(n) tile512<n, kQ4, kPacked>(r, e, s, c, K, w, wstride, sc, sstride, out, pf_w, pf_sc)
   switch (rows) {
     case 1: PAGEDLM_TILE(1); break;
     case 2: PAGEDLM_TILE(2); break;
@@ -422,11 +439,13 @@ void run_tile(int rows, const int8_t* r, const float* e, const float* s, int64_t
 #endif
 
 // Rows [i_begin, i_end) of y over kPan adjacent panels starting at panel p (widened `w`,
-// second panel at w + wstride): tiles of the most rows the micro-kernel takes.
+// second panel at w + wstride): tiles of the most rows the micro-kernel takes. The first
+// 512-bit tile also prefetches the pair of panels at `pf_w` / `pf_sc` (if not null).
 template <int kPan, bool kQ4, bool kPacked>
 void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, const uint8_t* w,
                 int64_t wstride, const at::Half* sc, int64_t sstride, int64_t p, int64_t N,
-                const float* bias, float* y) {
+                const float* bias, float* y, const uint8_t* pf_w = nullptr,
+                const at::Half* pf_sc = nullptr) {
 #ifdef PAGEDLM_Q8_VNNI512
   constexpr bool kWide = kPan == 2;  // pairs of panels go through tile512
 #else
@@ -440,7 +459,8 @@ void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, 
 #ifdef PAGEDLM_Q8_VNNI512
     if constexpr (kWide) {
       run_tile512<kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B,
-                                qa.c.data() + i0 * B, K, w, wstride, sc, sstride, out);
+                                qa.c.data() + i0 * B, K, w, wstride, sc, sstride, out,
+                                i0 == i_begin ? pf_w : nullptr, pf_sc);
     } else
 #endif
     run_tile<kPan, kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B, K,
@@ -509,7 +529,10 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
         const at::Half* sc = sc_p + p * scale_count;
         if (in_registers) {
           if (pair) {
-            panel_rows<2, kQ4, true>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p);
+            // The thread's next pair (a whole one), fetched while this one computes.
+            const bool next = m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
+            panel_rows<2, kQ4, true>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p,
+                                     next ? w + 2 * panel_bytes : nullptr, sc + 2 * scale_count);
           } else {
             panel_rows<1, kQ4, true>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p);
           }
@@ -523,7 +546,10 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
           wstride = wide_bytes;
         }
         if (pair) {
-          panel_rows<2, kQ4, false>(qa, m0, m1, K, w, wstride, sc, scale_count, p, N, bias_p, y_p);
+          // Q8_0 panels are read as stored: the next pair is prefetched as above.
+          const bool next = !kQ4 && m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
+          panel_rows<2, kQ4, false>(qa, m0, m1, K, w, wstride, sc, scale_count, p, N, bias_p, y_p,
+                                    next ? w + 2 * panel_bytes : nullptr, sc + 2 * scale_count);
         } else {
           panel_rows<1, kQ4, false>(qa, m0, m1, K, w, wstride, sc, scale_count, p, N, bias_p, y_p);
         }
