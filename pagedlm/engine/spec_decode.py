@@ -60,20 +60,25 @@ class SpecStats:
 class _SeqState:
     __slots__ = ("index", "indexed", "num_drafts", "rest", "rest_length")
 
-    def __init__(self, num_drafts: int) -> None:
+    def __init__(self, num_drafts: int, rest_length: int) -> None:
         self.index: dict[tuple[int, ...], int] = {}  # n-gram -> position after its last end
         self.indexed = 0  # n-grams ending before this position are in the index
         self.num_drafts = num_drafts
         self.rest = 0
-        self.rest_length = REST_STEPS
+        self.rest_length = rest_length
 
 
 class Proposer:
     """What every proposer shares: the counters, the back-off, forgetting sequences.
     Subclasses draft in `_draft(requests, counts)`, setting `spec_token_ids`."""
 
-    # Rests longer than this are not taken: the sequence stops speculating for good.
+    # A sequence whose drafts all failed first rests this many steps (doubling each time);
+    # rests longer than max_rest_steps are not taken: it stops speculating for good.
+    rest_steps = REST_STEPS
     max_rest_steps = MAX_REST_STEPS
+    # After n of more drafts were accepted, at most n + partial_extra next time (None:
+    # as many as before).
+    partial_extra: int | None = 1
     start_with_all = True  # a new sequence's first drafts: all k (else one, growing)
     # Below this share of drafts accepted over the last RECENT verifications, new sequences
     # do not speculate (but one in PROBE_EVERY, to notice when it would pay again): for a
@@ -107,12 +112,13 @@ class Proposer:
                 continue
             if n == len(drafts):
                 state.num_drafts = min(self.k, state.num_drafts + 1)
-                state.rest_length = REST_STEPS
+                state.rest_length = self.rest_steps
             elif n > 0:
-                # Some accepted: next time no more than those and one, for the row after the
-                # last accepted draft was the first to fail (a verification's rows cost real
-                # compute on a CPU; full acceptances grow it again).
-                state.num_drafts = min(state.num_drafts, n + 1)
+                # Some accepted: next time no more than those and partial_extra, for the row
+                # after the last accepted draft was the first to fail (a verification's rows
+                # cost real compute on a CPU; full acceptances grow it again).
+                if self.partial_extra is not None:
+                    state.num_drafts = min(state.num_drafts, n + self.partial_extra)
             else:
                 state.num_drafts -= 1
                 if state.num_drafts == 0:
@@ -131,7 +137,7 @@ class Proposer:
             state = self._seqs.get(request.request_id)
             if state is None:
                 state = self._seqs[request.request_id] = _SeqState(
-                    self.k if self.start_with_all else 1)
+                    self.k if self.start_with_all else 1, self.rest_steps)
                 if self.dormant():
                     self._new_since_probe += 1
                     if self._new_since_probe < PROBE_EVERY:
