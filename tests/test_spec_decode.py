@@ -15,7 +15,7 @@ from pagedlm.config import EngineArgs, SpeculativeConfig
 from pagedlm.core.request import Request
 from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_io import CoreRequest
-from pagedlm.engine.spec_decode import REST_STEPS, NgramProposer
+from pagedlm.engine.spec_decode import NGRAM_REST_STEPS, NgramProposer
 from pagedlm.engine.stats import EngineStats
 from pagedlm.loader.model_loader import resolve_model_source
 from tests.conftest import _save_tiny, requires_smollm2, smollm2_path
@@ -126,7 +126,7 @@ def test_back_off_per_request_and_per_batch():
         drafts = [1] * expected
         proposer.record({"r": drafts}, {})
     r.spec_token_ids = []
-    for _ in range(REST_STEPS):  # resting
+    for _ in range(NGRAM_REST_STEPS):  # resting
         proposer.propose([r])
         assert r.spec_token_ids == []
     proposer.propose([r])
@@ -138,10 +138,16 @@ def test_back_off_per_request_and_per_batch():
     stats = proposer.stats
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 11, 1)
     assert stats.accepted_per_pos[0] == 1
-    # Some of more accepted: next time at most those and one.
+    # Some of more accepted: as many next time (n-gram drafts cost nothing to propose)...
     long = _request([1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2], "long")
     proposer.propose([long])
     assert long.spec_token_ids == [3, 4, 5, 6]  # all 4 (NGRAM's k) to start with
+    proposer.record({"long": [3, 4, 5, 6]}, {"long": [3]})
+    long.spec_token_ids = []
+    proposer.propose([long])
+    assert long.spec_token_ids == [3, 4, 5, 6]
+    # ... or, with the draft model's rule, at most those and one.
+    proposer.partial_extra = 1
     proposer.record({"long": [3, 4, 5, 6]}, {"long": [3]})
     long.spec_token_ids = []
     proposer.propose([long])
