@@ -12,7 +12,7 @@ import argparse
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.benchmarks.datasets import load_sharegpt_records
-from pagedlm.benchmarks.spec_decode import _chat_ids, sample_repeating
+from pagedlm.benchmarks.spec_decode import chat_ids, sample_repeating
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     tokenizer = llm.get_tokenizer()
     requests = sample_repeating(tokenizer, args.num_prompts, 0, args.max_tokens,
                                 load_sharegpt_records())
-    prompts = [{"prompt_token_ids": _chat_ids(tokenizer, r.prompt)} for r in requests]
+    prompts = [{"prompt_token_ids": chat_ids(tokenizer, r.prompt)} for r in requests]
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     alone = [llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
              for prompt in prompts]

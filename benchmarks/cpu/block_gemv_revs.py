@@ -17,10 +17,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
+from q8_gemm_revs import SHAPES  # (out_features, in_features, layers) of the model's matmuls
 from revision_build import build_library
-
-# (out_features, in_features, layers): qkv, o, gate_up, down, LM head
-SHAPES = [(960, 576, 30), (576, 576, 30), (3072, 576, 30), (576, 1536, 30), (49152, 576, 1)]
 
 
 def weights() -> list[list[torch.Tensor]]:

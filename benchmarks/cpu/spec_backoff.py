@@ -19,10 +19,9 @@ import argparse
 import time
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.benchmarks.datasets import load_sharegpt_records, sample_sharegpt
-from pagedlm.benchmarks.spec_decode import DEFAULT_SPEC, _chat_ids, sample_repeating
-
-MAX_OUTPUT = 256  # as `bench spec-decode`'s --max-output-len default
+from pagedlm.benchmarks.cli import SPEC_DECODE_MAX_OUTPUT_LEN as MAX_OUTPUT_LEN
+from pagedlm.benchmarks.datasets import load_sharegpt_records
+from pagedlm.benchmarks.spec_decode import DEFAULT_SPEC, batch1_workloads, chat_ids
 
 
 def parse_setting(text: str) -> tuple[str, dict]:
@@ -63,16 +62,13 @@ def main() -> None:
           f"({args.num_speculative_tokens} drafts, weights {args.weight_dtype}, "
           f"KV cache {args.kv_cache_dtype})")
     for seed in args.seeds:
-        workloads = {
-            "repeat": sample_repeating(tokenizer, args.num_prompts, seed, MAX_OUTPUT, records),
-            "sharegpt": sample_sharegpt(tokenizer, args.num_prompts, seed=seed, records=records),
-        }
+        workloads = batch1_workloads(tokenizer, args.num_prompts, seed, MAX_OUTPUT_LEN, records)
         for workload, requests in workloads.items():
             whole = dict.fromkeys(names, 0.0)
             after_first = dict.fromkeys(names, 0.0)
             for i, r in enumerate(requests):
-                ids = _chat_ids(tokenizer, r.prompt)
-                params = SamplingParams(temperature=0, max_tokens=min(r.output_len, MAX_OUTPUT))
+                ids = chat_ids(tokenizer, r.prompt)
+                params = SamplingParams(temperature=0, max_tokens=r.output_len)
                 order = names[i % len(names):] + names[:i % len(names)]
                 outputs = {}
                 for name in order:

@@ -13,10 +13,9 @@ import collections
 import time
 
 from pagedlm import LLM, SamplingParams
+from pagedlm.benchmarks.cli import SPEC_DECODE_MAX_OUTPUT_LEN as MAX_OUTPUT_LEN
 from pagedlm.benchmarks.datasets import load_sharegpt_records
-from pagedlm.benchmarks.spec_decode import DEFAULT_SPEC, _chat_ids, sample_repeating
-
-MAX_OUTPUT = 256
+from pagedlm.benchmarks.spec_decode import DEFAULT_SPEC, chat_ids, sample_repeating
 
 
 def main() -> None:
@@ -60,13 +59,13 @@ def main() -> None:
         return out
 
     tokenizer = llm.get_tokenizer()
-    requests = sample_repeating(tokenizer, args.num_prompts, args.seed, MAX_OUTPUT, load_sharegpt_records())
-    llm.generate({"prompt_token_ids": _chat_ids(tokenizer, requests[0].prompt)},
+    requests = sample_repeating(tokenizer, args.num_prompts, args.seed, MAX_OUTPUT_LEN, load_sharegpt_records())
+    llm.generate({"prompt_token_ids": chat_ids(tokenizer, requests[0].prompt)},
                  SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # first calls
     runner.execute_model = timed
     for r in requests:
-        llm.generate({"prompt_token_ids": _chat_ids(tokenizer, r.prompt)},
-                     SamplingParams(temperature=0, max_tokens=min(r.output_len, MAX_OUTPUT)), use_tqdm=False)
+        llm.generate({"prompt_token_ids": chat_ids(tokenizer, r.prompt)},
+                     SamplingParams(temperature=0, max_tokens=r.output_len), use_tqdm=False)
     names = sorted({name for _, name in parts}, key=lambda n: -parts[(1, n)])
     print(f"ms per decode step by rows ({args.num_prompts} repeating turns, weights "
           f"{args.weight_dtype}, KV cache {args.kv_cache_dtype})")

@@ -19,6 +19,8 @@ from typing import Any
 from pagedlm.benchmarks.dataset_args import add_dataset_args
 from pagedlm.entrypoints.cli_args import add_engine_args
 
+SPEC_DECODE_MAX_OUTPUT_LEN = 256  # `bench spec-decode --max-output-len`'s default
+
 
 def _percentiles(text: str) -> list[float]:
     try:
@@ -172,7 +174,7 @@ def add_bench_parser(subparsers: Any) -> None:
     add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 6 drafts)
     sd.add_argument("--num-prompts", type=int, default=16,
                     help="requests per batch-1 workload (default %(default)s)")
-    sd.add_argument("--max-output-len", type=int, default=256,
+    sd.add_argument("--max-output-len", type=int, default=SPEC_DECODE_MAX_OUTPUT_LEN,
                     help="cap on a request's max_tokens (default %(default)s)")
     sd.add_argument("--throughput-prompts", type=int, default=64,
                     help="ShareGPT requests of the throughput comparison; 0 skips it "

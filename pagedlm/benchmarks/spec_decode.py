@@ -81,12 +81,23 @@ def sample_repeating(tokenizer: Any, num: int, seed: int, max_output: int,
     return out
 
 
-def _chat_ids(tokenizer: Any, text: str) -> list[int]:
+def chat_ids(tokenizer: Any, text: str) -> list[int]:
     ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                         add_generation_prompt=True, tokenize=True)
     if not isinstance(ids, list):  # transformers 5: a BatchEncoding
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def batch1_workloads(tokenizer: Any, num: int, seed: int, max_output_len: int,
+                     records: list[dict[str, Any]]) -> dict[str, list[SampleRequest]]:
+    """The two batch-1 workloads: "repeat" (turns whose reply repeats the prompt) and
+    "sharegpt" (plain chat), each request's output capped at `max_output_len`."""
+    return {
+        "repeat": sample_repeating(tokenizer, num, seed, max_output_len, records),
+        "sharegpt": [SampleRequest(r.prompt, r.prompt_len, min(r.output_len, max_output_len))
+                     for r in sample_sharegpt(tokenizer, num, seed=seed, records=records)],
+    }
 
 
 def batch1(engines: dict[str, Any], requests: list[SampleRequest],
@@ -101,7 +112,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
     num_differing = 0
     for i, r in enumerate(requests):
-        ids = _chat_ids(tokenizer, r.prompt)
+        ids = chat_ids(tokenizer, r.prompt)
         params = SamplingParams(temperature=0, max_tokens=r.output_len)
         outputs = {}
         for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
@@ -158,13 +169,7 @@ def main(args: argparse.Namespace) -> int:
     engines = {"off": LLM(**kwargs), "on": LLM(**kwargs, speculative_config=spec)}
     tokenizer = engines["off"].get_tokenizer()
     records = load_sharegpt_records(args.dataset_path)
-    workloads = {
-        "repeat": sample_repeating(tokenizer, args.num_prompts, args.seed, args.max_output_len,
-                                   records),
-        "sharegpt": [SampleRequest(r.prompt, r.prompt_len, min(r.output_len, args.max_output_len))
-                     for r in sample_sharegpt(tokenizer, args.num_prompts, seed=args.seed,
-                                              records=records)],
-    }
+    workloads = batch1_workloads(tokenizer, args.num_prompts, args.seed, args.max_output_len, records)
     warm = workloads["sharegpt"][:1]
     batch1(engines, [SampleRequest(w.prompt, w.prompt_len, 8) for w in warm])  # first calls
     report = result_header(

@@ -65,9 +65,9 @@ class _Mirror:
 class DraftModelProposer(Proposer):
     # Each try after a rest costs the draft a catch-up forward over what it missed: a
     # sequence whose drafts keep failing gives up after two rests.
-    rest_steps = REST_STEPS
+    # (The base class's first rest of REST_STEPS and n + 1 cap after a partial acceptance
+    # stay: its every draft token costs a forward of the draft model.)
     max_rest_steps = 2 * REST_STEPS
-    partial_extra = 1  # its every draft token costs a forward of the draft model
     start_with_all = False  # one draft first: k draft forwards only once they pay off
     min_recent_acceptance = 0.15  # each new sequence costs the draft a prefill of its prompt
     def __init__(self, config: SpeculativeConfig, default_max_batch: int,

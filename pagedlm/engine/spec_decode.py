@@ -79,10 +79,11 @@ class Proposer:
 
     # A sequence whose drafts all failed first rests this many steps (doubling each time);
     # rests longer than max_rest_steps are not taken: it stops speculating for good.
+    # After n of more drafts were accepted, at most n + partial_extra next time (None: as
+    # many as before). These defaults suit drafts that cost something to propose (a draft
+    # model); the n-gram proposer's are below.
     rest_steps = REST_STEPS
     max_rest_steps = MAX_REST_STEPS
-    # After n of more drafts were accepted, at most n + partial_extra next time (None:
-    # as many as before).
     partial_extra: int | None = 1
     start_with_all = True  # a new sequence's first drafts: all k (else one, growing)
     # Below this share of drafts accepted over the last RECENT verifications, new sequences
