@@ -12,6 +12,9 @@ One block holds `block_size` tokens of every layer, so its cost in bytes is
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 
@@ -21,15 +24,36 @@ def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_di
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                      head_dim: int, dtype: torch.dtype, device: torch.device
-                      ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                      head_dim: int, dtype: torch.dtype, device: torch.device,
+                      huge_pages: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) cache, zeroed; on CPU in 2 MB pages where the kernel grants
+    them (`huge_pages=False`: torch's own memory, for comparison)."""
     # Zeroed, not empty: attention reads whole blocks and masks the unused slots, and an
     # uninitialised NaN times a zero weight would still be NaN.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(num_layers)
-    ]
+    zeros = _huge_page_zeros if huge_pages and torch.device(device).type == "cpu" else (
+        lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=device))
+    return [(zeros(shape, dtype), zeros(shape, dtype)) for _ in range(num_layers)]
+
+
+def _huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed CPU tensor in memory the kernel backs with 2 MB pages where it can
+    (transparent huge pages, asked for with madvise: most systems grant them only then).
+    Attention reads a sequence's blocks from anywhere in the cache; with 4 KB pages nearly
+    every block costs TLB misses and the hardware prefetcher stops at each page edge.
+    Plain torch.zeros where the platform has no such advice."""
+    numel = math.prod(shape)
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes == 0 or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # a kernel without transparent huge pages: small pages, as torch's
+        pass
+    # The tensor keeps the mapping alive; zeroing now faults every page in up front (anonymous
+    # memory reads as zeros anyway), as torch.zeros does, instead of during the first steps.
+    return torch.frombuffer(buf, dtype=dtype, count=numel).view(shape).zero_()
 
 
 def num_blocks_for_cuda(profile_peak_bytes: int, block_bytes: int, gpu_memory_utilization: float,
