@@ -166,6 +166,68 @@ def test_a_rows_result_does_not_depend_on_its_batch(threads, num_heads, num_kv_h
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [
+    (9, 3, 64), (8, 2, 32), (8, 1, 128), (4, 2, 40), (6, 3, 80), (3, 1, 20)])
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16, torch.float8_e4m3fn,
+                                         torch.float32])
+@pytest.mark.parametrize("features", ["plain", "window", "softcap+alibi"])
+def test_verification_rows_equal_rows_alone(threads, num_heads, num_kv_heads, head_dim,
+                                            cache_dtype, features):
+    """A speculative verification's k + 1 rows (one sequence's blocks, consecutive
+    lengths, longest first as the model runner orders them, or last) are computed
+    together, the cache read once for all of them: each row's output is still, bit for
+    bit, the one it gets alone. Runs of 1 to 17 rows (over the kernel's 16 per run),
+    ending before, at and past partition edges (256, 512), beside plain rows; the same
+    rows in the opposite order give the same outputs."""
+    g = torch.Generator().manual_seed(7 * threads + head_dim + num_kv_heads)
+    block_size = 16
+    # (longest length, rows, longest first)
+    runs = [(5, 1, True), (40, 7, True), (258, 7, False), (256, 3, True), (515, 17, True),
+            (300, 1, False), (1030, 4, False), (600, 2, True)]
+    seq_lens, owner = [], []
+    for s_i, (end, rows, longest_first) in enumerate(runs):
+        lens = [end - rows + 1 + r for r in range(rows)]
+        seq_lens += lens[::-1] if longest_first else lens
+        owner += [s_i] * rows
+    num_blocks = sum(-(-end // block_size) for end, _, _ in runs) + 1
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(cache_dtype)
+    max_blocks = max(-(-end // block_size) for end, _, _ in runs)
+    tables = torch.zeros(len(runs), max_blocks, dtype=torch.long)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    for s_i, (end, _, _) in enumerate(runs):
+        nb = -(-end // block_size)
+        tables[s_i, :nb] = torch.tensor(perm[:nb])
+        perm = perm[nb:]
+    block_tables = tables[owner]
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=g)
+    kw = {}
+    if features == "window":
+        kw["sliding_window"] = 300
+    if features == "softcap+alibi":
+        kw["logits_soft_cap"] = 5.0
+        kw["alibi_slopes"] = torch.rand(num_heads, generator=g) * 0.2
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = paged_decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 0.125, **kw)
+        for b, n in enumerate(seq_lens):
+            alone = paged_decode_attention(query[b:b + 1], k_cache, v_cache,
+                                           block_tables[b:b + 1], [n], 0.125, **kw)
+            assert torch.equal(alone[0], batched[b]), f"row {b} ({n} tokens)"
+        order = list(reversed(range(len(seq_lens))))
+        reversed_out = paged_decode_attention(query[order], k_cache, v_cache, block_tables[order],
+                                              [seq_lens[i] for i in order], 0.125, **kw)
+        assert torch.equal(reversed_out, batched[order])
+    finally:
+        torch.set_num_threads(before)
+    ref = dense_decode(query, k_cache, v_cache, block_tables, seq_lens, 0.125,
+                       slopes=kw.get("alibi_slopes"), window=kw.get("sliding_window"),
+                       cap=kw.get("logits_soft_cap"))
+    torch.testing.assert_close(batched, ref, atol=2e-5, rtol=2e-5)
+
+
 def test_rejects_bad_input():
     k = torch.zeros(4, 8, 2, 16)
     q = torch.zeros(1, 4, 16)

@@ -17,6 +17,12 @@
 // verification's k + 1 rows give what decoding one token at a time gives
 // (tests/test_cpu_attention.py).
 //
+// Those k + 1 rows read the same blocks. Consecutive rows that do (a "run") share their
+// items: each 16-token tile of K, then of V, is read and widened to float32 once into L1
+// and used by every row of the run, with each row's sums in the same order as alone
+// (run_item; 1.02-1.21x for 7-row verifications with cold caches,
+// benchmarks/cpu/decode_attention_cold.py --verify-rows 7).
+//
 //   out = sum_p exp(m_p - m) * acc_p / sum_p exp(m_p - m) * s_p,   m = max_p m_p
 //
 // Score of query head h (kv head h / group) against key t, query at position
@@ -34,6 +40,8 @@
 #include <immintrin.h>
 #endif
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -46,13 +54,24 @@ using namespace pagedlm_vec;
 // every thread several items (a short batch of short sequences).
 constexpr int64_t kMaxPartition = 256;
 
-// Item i's partial results are slot i.
+// Rows of one sequence's speculative verification at most that share their K/V reads.
+constexpr int64_t kMaxRunRows = 16;
+// Tokens of a run's partition widened at a time: their K (or V) for the item's kv heads
+// stay in L1 while every row of the run uses them.
+constexpr int64_t kRunTile = 16;
+
+// An item computes one partition of rows seq .. seq_end - 1: one row, or a run of rows that
+// read the same cache blocks from the same first key (a verification's k + 1 rows; see
+// run_decode). A run's item covers the tokens [begin, end) of its longest row, whose block
+// table it reads, and, for each row, the part of them that row sees.
 struct Item {
   int64_t seq;
   int64_t begin;  // first context token of the partition
   int64_t end;    // one past the last
-  int64_t slot = 0;  // where the partition's partial results go
+  int64_t slot = 0;  // the partition's index among its sequence's (row's) partitions
   int64_t kv0 = 0, kv1 = 0;  // the kv heads this item computes, [kv0, kv1)
+  int64_t seq_end = 0;  // one past the last row
+  int64_t longest = 0;  // the row whose block table the item reads
 };
 
 // Row access: `dot` and `axpy` over one K/V row of head_dim values in the cache dtype.
@@ -388,30 +407,22 @@ inline void softmax_numerators(float* s, int64_t n, float* max_out, float* sum_o
   *sum_out = sum;
 }
 
-template <typename cache_t>
-void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled*/,
-                 const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
-                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
-                 int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[H, P]*/,
-                 float* acc /*[H, D]*/, float* m_out /*[H]*/, float* s_out /*[H]*/) {
-  // Query heads h0 .. h1 - 1 (those of kv heads kv0 .. kv1 - 1); the others' rows of
-  // scores, acc, m_out and s_out are left alone.
-  const int64_t n = it.end - it.begin;
+// One row's attention over the n tokens whose K and V rows (every kv head of a token, one
+// contiguous run of the cache's token stride) are k_toks[i] and v_toks[i]: for the query
+// heads of kv heads it.kv0 .. it.kv1 - 1, the scores, their softmax numerators and the
+// un-normalised weighted sum of V. The other heads' rows of scores, acc, m_out and s_out
+// are left alone.
+template <typename T>
+void attend(const Item& it, int64_t n, const float* q /*[H, D] of this row, pre-scaled*/,
+            const T* const* k_toks, const T* const* v_toks, int64_t head_dim, int64_t group,
+            int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[H, n]*/,
+            float* acc /*[H, D]*/, float* m_out /*[H]*/, float* s_out /*[H]*/) {
   const int64_t h0 = it.kv0 * group, h1 = it.kv1 * group;
-  const int64_t token_stride = num_kv_heads * head_dim;
 #if defined(PAGEDLM_TILED)
   const bool tiled = head_dim % 8 == 0;
 #else
   const bool tiled = false;
 #endif
-  int64_t offsets[kMaxPartition];
-  token_offsets(it, block_table, block_size, token_stride, offsets);
-  const cache_t* k_toks[kMaxPartition];
-  const cache_t* v_toks[kMaxPartition];
-  for (int64_t i = 0; i < n; ++i) {
-    k_toks[i] = k_cache + offsets[i];
-    v_toks[i] = v_cache + offsets[i];
-  }
   if (tiled) {
 #if defined(PAGEDLM_TILED)
     qk_all(q, k_toks, v_toks, n, it.kv0, it.kv1, head_dim, group, scores);
@@ -449,6 +460,261 @@ void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled
 }
 
 template <typename cache_t>
+void decode_item(const Item& it, const float* q /*[H, D] of this seq, pre-scaled*/,
+                 const cache_t* k_cache, const cache_t* v_cache, const int64_t* block_table,
+                 int64_t block_size, int64_t num_kv_heads, int64_t head_dim, int64_t group,
+                 int64_t q_pos, float soft_cap, const float* slopes, float* scores /*[H, P]*/,
+                 float* acc /*[H, D]*/, float* m_out /*[H]*/, float* s_out /*[H]*/) {
+  const int64_t n = it.end - it.begin;
+  int64_t offsets[kMaxPartition];
+  token_offsets(it, block_table, block_size, num_kv_heads * head_dim, offsets);
+  const cache_t* k_toks[kMaxPartition];
+  const cache_t* v_toks[kMaxPartition];
+  for (int64_t i = 0; i < n; ++i) {
+    k_toks[i] = k_cache + offsets[i];
+    v_toks[i] = v_cache + offsets[i];
+  }
+  attend(it, n, q, k_toks, v_toks, head_dim, group, q_pos, soft_cap, slopes, scores, acc, m_out, s_out);
+}
+
+#if defined(PAGEDLM_TILED)
+
+// dst[0 : n] = src[0 : n] as float32, each value as the tiles above widen it for a head of
+// n values (n % 8 == 0): widening is exact, so a tile reading dst computes what it
+// computes reading src.
+template <typename cache_t>
+inline void widen(const cache_t* src, float* dst, int64_t n) {
+  int64_t d = 0;
+#if defined(PAGEDLM_TILED512)
+  for (; d + 16 <= n; d += 16) _mm512_storeu_ps(dst + d, load16(src + d));
+#endif
+  for (; d < n; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
+}
+
+// Keeps `v` in a register: reading float32, the compiler would otherwise fold its load
+// into every multiply-add that uses it, and reload the query vectors too.
+template <typename V>
+inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
+
+// qk_tile over a run's widened (float32) tile: the same sums, with each key vector and
+// query vector loaded once per step of d (named registers, not arrays, which the
+// compiler keeps in memory once they pass through in_register).
+template <int NG, typename L>
+inline void qk_tile_f32(const float* q, const float* const* toks, int64_t off, int count,
+                        int64_t head_dim, float* scores, int64_t n, int64_t i) {
+  using V = typename L::V;
+  const float* r0 = toks[0] + off;
+  const float* r1 = toks[std::min(1, count - 1)] + off;
+  const float* r2 = toks[std::min(2, count - 1)] + off;
+  const float* r3 = toks[std::min(3, count - 1)] + off;
+  V a00 = L::zero(), a01 = L::zero(), a02 = L::zero(), a03 = L::zero();
+  V a10 = L::zero(), a11 = L::zero(), a12 = L::zero(), a13 = L::zero();
+  V a20 = L::zero(), a21 = L::zero(), a22 = L::zero(), a23 = L::zero();
+  for (int64_t d = 0; d < head_dim; d += L::kW) {
+    V q0 = L::load(q + d), q1 = q0, q2 = q0;
+    in_register(q0);
+    if constexpr (NG > 1) { q1 = L::load(q + head_dim + d); in_register(q1); }
+    if constexpr (NG > 2) { q2 = L::load(q + 2 * head_dim + d); in_register(q2); }
+#define PAGEDLM_KEY(t)                                  \
+    {                                                   \
+      V k = L::load(r##t + d);                          \
+      in_register(k);                                   \
+      a0##t = L::fmadd(q0, k, a0##t);                   \
+      if constexpr (NG > 1) a1##t = L::fmadd(q1, k, a1##t); \
+      if constexpr (NG > 2) a2##t = L::fmadd(q2, k, a2##t); \
+    }
+    PAGEDLM_KEY(0) PAGEDLM_KEY(1) PAGEDLM_KEY(2) PAGEDLM_KEY(3)
+#undef PAGEDLM_KEY
+  }
+  auto put = [&](int g, V x0, V x1, V x2, V x3) {
+    const __m128 s = hsum4(L::to8(x0), L::to8(x1), L::to8(x2), L::to8(x3));
+    if (count == 4) {
+      _mm_storeu_ps(scores + g * n + i, s);
+    } else {
+      alignas(16) float out[4];
+      _mm_store_ps(out, s);
+      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
+    }
+  };
+  put(0, a00, a01, a02, a03);
+  if constexpr (NG > 1) put(1, a10, a11, a12, a13);
+  if constexpr (NG > 2) put(2, a20, a21, a22, a23);
+}
+
+template <int NG>
+inline void qk_tile_f32_any(const float* q, const float* const* toks, int64_t off, int count,
+                            int64_t head_dim, float* scores, int64_t n, int64_t i) {
+#if defined(PAGEDLM_TILED512)
+  if (head_dim % 16 == 0) return qk_tile_f32<NG, Lanes16>(q, toks, off, count, head_dim, scores, n, i);
+#endif
+  qk_tile_f32<NG, Lanes8>(q, toks, off, count, head_dim, scores, n, i);
+}
+
+// acc[g, d0 : d0 + W * CB] (+)= sum_{i < count} p[g * stride + i] * (toks[i] + off)[d0 : ...]
+// for g < NG, added to what acc holds unless `first`: pv_tile's sums, a chunk of tokens at
+// a time (each lane's chain of multiply-adds runs over the tokens in the same order).
+template <int NG, int CB, typename L>
+inline void pv_chunk(const float* p, int64_t stride, int64_t count, const float* const* toks,
+                     int64_t off, int64_t d0, float* acc, int64_t head_dim, bool first) {
+  using V = typename L::V;
+  V a[NG][CB];
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CB; ++c) a[g][c] = first ? L::zero() : L::load(acc + g * head_dim + d0 + L::kW * c);
+  for (int64_t i = 0; i < count; ++i) {
+    V pb[NG];
+    for (int g = 0; g < NG; ++g) pb[g] = L::set1(p[g * stride + i]);
+    const float* row = toks[i] + off + d0;
+    for (int c = 0; c < CB; ++c) {
+      V v = L::load(row + L::kW * c);
+      in_register(v);
+      for (int g = 0; g < NG; ++g) a[g][c] = L::fmadd(pb[g], v, a[g][c]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int c = 0; c < CB; ++c) L::store(acc + g * head_dim + d0 + L::kW * c, a[g][c]);
+}
+
+template <int NG, typename L>
+inline void pv_chunk_heads(const float* p, int64_t stride, int64_t count, const float* const* toks,
+                           int64_t off, float* acc, int64_t head_dim, bool first) {
+  int64_t d0 = 0;
+  for (; d0 + 4 * L::kW <= head_dim; d0 += 4 * L::kW) {
+    pv_chunk<NG, 4, L>(p, stride, count, toks, off, d0, acc, head_dim, first);
+  }
+  switch ((head_dim - d0) / L::kW) {
+    case 3: pv_chunk<NG, 3, L>(p, stride, count, toks, off, d0, acc, head_dim, first); break;
+    case 2: pv_chunk<NG, 2, L>(p, stride, count, toks, off, d0, acc, head_dim, first); break;
+    case 1: pv_chunk<NG, 1, L>(p, stride, count, toks, off, d0, acc, head_dim, first); break;
+    default: break;
+  }
+}
+
+template <int NG>
+inline void pv_chunk_any(const float* p, int64_t stride, int64_t count, const float* const* toks,
+                         int64_t off, float* acc, int64_t head_dim, bool first) {
+#if defined(PAGEDLM_TILED512)
+  if (head_dim % 16 == 0) return pv_chunk_heads<NG, Lanes16>(p, stride, count, toks, off, acc, head_dim, first);
+#endif
+  pv_chunk_heads<NG, Lanes8>(p, stride, count, toks, off, acc, head_dim, first);
+}
+
+// Widen tokens [t0, t0 + count) of the item's kv heads into `tile` (token stride as in
+// the cache) and point toks[i] at token t0 + i there; fetch the next tile's tokens.
+template <typename cache_t>
+inline void widen_tile(const cache_t* cache, const int64_t* offsets, int64_t t0, int64_t count,
+                       int64_t n, int64_t kv0, int64_t kv1, int64_t head_dim, int64_t token_stride,
+                       float* tile, const float** toks) {
+  const int64_t bytes = (kv1 - kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t j = t0 + kRunTile; j < std::min(n, t0 + 2 * kRunTile); ++j) {
+    prefetch_token(cache + offsets[j] + kv0 * head_dim, bytes);
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    const cache_t* src = cache + offsets[t0 + i];
+    float* dst = tile + i * token_stride;
+    widen(src + kv0 * head_dim, dst + kv0 * head_dim, (kv1 - kv0) * head_dim);
+    toks[i] = dst;
+  }
+}
+
+// A run's partition (rows it.seq .. it.seq_end - 1: a speculative verification's k + 1
+// rows). decode_item's work for every row, with the cache read and widened once per
+// kRunTile tokens instead of once per row: each tile's K, then V, sits in L1 as float32
+// while every row that sees those tokens multiplies it. Each row's scores, softmax and
+// sums are decode_item's, in the same order over the same values (widening is exact), so
+// its result is the one it gets alone, bit for bit.
+template <typename cache_t>
+void run_item(const Item& it, const float* q /*[rows, H, D]*/, const cache_t* k_cache,
+              const cache_t* v_cache, const int64_t* block_table /*the run's longest row's*/,
+              int64_t block_size, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              int64_t group, const int64_t* seq_lens, const int64_t* first_slot, float soft_cap,
+              const float* slopes, float* scores /*[kMaxRunRows, H, P]*/, float* tile,
+              float* acc_p, float* max_p, float* sum_p) {
+  const int64_t n = it.end - it.begin;
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t h0 = it.kv0 * group, h1 = it.kv1 * group;
+  int64_t offsets[kMaxPartition];
+  token_offsets(it, block_table, block_size, token_stride, offsets);
+  const float* toks[kRunTile];
+  auto seen = [&](int64_t b) { return std::min(it.end, seq_lens[b]) - it.begin; };  // tokens row b sees
+  auto row_scores = [&](int64_t b) { return scores + (b - it.seq) * num_heads * kMaxPartition; };
+  auto row_acc = [&](int64_t b) { return acc_p + (first_slot[b] + it.slot) * num_heads * head_dim; };
+  // q . k for every row, a tile of keys at a time.
+  for (int64_t t0 = 0; t0 < n; t0 += kRunTile) {
+    const int64_t count = std::min(kRunTile, n - t0);
+    widen_tile(k_cache, offsets, t0, count, n, it.kv0, it.kv1, head_dim, token_stride, tile, toks);
+    for (int64_t b = it.seq; b < it.seq_end; ++b) {
+      const int64_t nb = seen(b);
+      const int64_t c = std::min(count, nb - t0);
+      const float* qb = q + b * num_heads * head_dim;
+      float* sb = row_scores(b);
+      for (int64_t i = 0; i < c; i += 4) {
+        const int cnt = static_cast<int>(std::min<int64_t>(4, c - i));
+        for (int64_t h = it.kv0; h < it.kv1; ++h) {
+          for (int64_t g0 = 0; g0 < group; g0 += 3) {
+            const int64_t head = h * group + g0;
+            const float* qh = qb + head * head_dim;
+            float* s = sb + head * nb;
+            switch (std::min<int64_t>(3, group - g0)) {
+              case 3: qk_tile_f32_any<3>(qh, toks + i, h * head_dim, cnt, head_dim, s, nb, t0 + i); break;
+              case 2: qk_tile_f32_any<2>(qh, toks + i, h * head_dim, cnt, head_dim, s, nb, t0 + i); break;
+              default: qk_tile_f32_any<1>(qh, toks + i, h * head_dim, cnt, head_dim, s, nb, t0 + i); break;
+            }
+          }
+        }
+      }
+    }
+  }
+  // Each row's softmax over the tokens it sees (a row shorter than the partition's start
+  // has no part in it), while the first values arrive.
+  const int64_t bytes = (it.kv1 - it.kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
+  for (int64_t j = 0; j < std::min(n, kRunTile); ++j) prefetch_token(v_cache + offsets[j] + it.kv0 * head_dim, bytes);
+  for (int64_t b = it.seq; b < it.seq_end; ++b) {
+    const int64_t nb = seen(b);
+    if (nb <= 0) continue;
+    float* sb = row_scores(b);
+    if (soft_cap > 0.f || slopes != nullptr) {
+      for (int64_t h = h0; h < h1; ++h) {
+        for (int64_t i = 0; i < nb; ++i) {
+          float s = sb[h * nb + i];
+          if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+          if (slopes != nullptr) s += slopes[h] * static_cast<float>(it.begin + i - (seq_lens[b] - 1));
+          sb[h * nb + i] = s;
+        }
+      }
+    }
+    const int64_t slot = first_slot[b] + it.slot;
+    for (int64_t h = h0; h < h1; ++h) {
+      softmax_numerators(sb + h * nb, nb, max_p + slot * num_heads + h, sum_p + slot * num_heads + h);
+    }
+  }
+  // p . V for every row, a tile of values at a time, each row's sums kept in its slot.
+  for (int64_t t0 = 0; t0 < n; t0 += kRunTile) {
+    const int64_t count = std::min(kRunTile, n - t0);
+    widen_tile(v_cache, offsets, t0, count, n, it.kv0, it.kv1, head_dim, token_stride, tile, toks);
+    for (int64_t b = it.seq; b < it.seq_end; ++b) {
+      const int64_t nb = seen(b);
+      const int64_t c = std::min(count, nb - t0);
+      if (c <= 0) continue;
+      const float* sb = row_scores(b);
+      float* ab = row_acc(b);
+      for (int64_t h = it.kv0; h < it.kv1; ++h) {
+        for (int64_t g0 = 0; g0 < group; g0 += 3) {
+          const int64_t head = h * group + g0;
+          const float* ph = sb + head * nb + t0;
+          float* a = ab + head * head_dim;
+          switch (std::min<int64_t>(3, group - g0)) {
+            case 3: pv_chunk_any<3>(ph, nb, c, toks, h * head_dim, a, head_dim, t0 == 0); break;
+            case 2: pv_chunk_any<2>(ph, nb, c, toks, h * head_dim, a, head_dim, t0 == 0); break;
+            default: pv_chunk_any<1>(ph, nb, c, toks, h * head_dim, a, head_dim, t0 == 0); break;
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
+template <typename cache_t>
 void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& block_tables, const std::vector<int64_t>& seq_lens, float soft_cap,
          int64_t window, const float* slopes, torch::Tensor& out) {
@@ -465,31 +731,89 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
     starts[b] = window > 0 ? std::max<int64_t>(0, seq_lens[b] - window) : 0;
     spans[b] = seq_lens[b] - starts[b];
   }
+  // Runs: consecutive rows that see the same blocks from the same first key, their lengths
+  // monotonic (a speculative verification's k + 1 rows, which the model runner orders
+  // longest first), computed together by run_item. Adjacent rows agree on the blocks of
+  // the shorter, so every row agrees with the run's longest on its own. Which rows form a
+  // run changes no row's result, only the work: a run of one is a plain row. Float32
+  // caches have nothing to widen, so their rows stay apart, as do heads without the tiled
+  // kernels (head_dim % 8 != 0).
+  const int64_t* bt_p = block_tables.data_ptr<int64_t>();
+#if defined(PAGEDLM_TILED)
+  const bool runs_on = !std::is_same_v<cache_t, float> && head_dim % 8 == 0;
+#else
+  const bool runs_on = false;
+#endif
+  auto same_blocks = [&](int64_t a, int64_t b) {
+    const int64_t* ta = bt_p + a * max_blocks;
+    const int64_t* tb = bt_p + b * max_blocks;
+    const int64_t shorter = std::min(seq_lens[a], seq_lens[b]);
+    return std::equal(ta, ta + (shorter + block_size - 1) / block_size, tb);
+  };
+  std::vector<std::pair<int64_t, int64_t>> runs;  // [first row, one past the last)
+  for (int64_t b = 0; b < num_seqs;) {
+    int64_t e = b + 1;
+    int direction = 0;  // +1 lengths growing, -1 shrinking, 0 not known yet
+    while (runs_on && e < num_seqs && e - b < kMaxRunRows && starts[e] == starts[e - 1] &&
+           same_blocks(e - 1, e)) {
+      const int step = seq_lens[e] > seq_lens[e - 1] ? 1 : seq_lens[e] < seq_lens[e - 1] ? -1 : 0;
+      if (step != 0 && direction != 0 && step != direction) break;
+      if (step != 0) direction = step;
+      ++e;
+    }
+    runs.emplace_back(b, e);
+    b = e;
+  }
+  auto longest_of = [&](int64_t b, int64_t e) {
+    int64_t best = b;
+    for (int64_t r = b + 1; r < e; ++r) best = seq_lens[r] > seq_lens[best] ? r : best;
+    return best;
+  };
   // Partitions of kMaxPartition tokens from each sequence's first visible key (never a
-  // size chosen by the batch: see the header). With fewer than four per thread, each
-  // partition's kv heads are split over up to that many items.
+  // size chosen by the batch: see the header); a run's partitions are its longest row's.
+  // With fewer than four per thread, each partition's kv heads are split over up to that
+  // many items, and then a run's rows.
   const int64_t part = kMaxPartition;
   int64_t num_parts = 0;
-  for (int64_t b = 0; b < num_seqs; ++b) num_parts += (spans[b] + part - 1) / part;
+  for (const auto& [b, e] : runs) num_parts += (spans[longest_of(b, e)] + part - 1) / part;
   const int64_t want = 4 * static_cast<int64_t>(at::get_num_threads());
   const int64_t splits = num_parts >= want ? 1
       : std::min<int64_t>(num_kv_heads, (want + num_parts - 1) / std::max<int64_t>(1, num_parts));
   const int64_t kv_per_item = (num_kv_heads + splits - 1) / splits;
-  // Items run sequence by sequence, partition by partition; the partial results of one
-  // sequence are consecutive slots for the merge below.
-  std::vector<Item> items;
+  const int64_t per_part = num_parts * ((num_kv_heads + kv_per_item - 1) / kv_per_item);
+  const int64_t row_splits = per_part >= want ? 1 : (want + per_part - 1) / std::max<int64_t>(1, per_part);
+  // Each row's partial results are consecutive slots for the merge below, partition by
+  // partition.
   std::vector<int64_t> first_slot(num_seqs + 1, 0);
   int64_t slots = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     first_slot[b] = slots;
-    for (int64_t p = starts[b]; p < seq_lens[b]; p += part, ++slots) {
-      for (int64_t kv = 0; kv < num_kv_heads; kv += kv_per_item) {
-        items.push_back({b, p, std::min(p + part, seq_lens[b]), slots, kv,
-                         std::min(num_kv_heads, kv + kv_per_item)});
+    slots += (spans[b] + part - 1) / part;
+  }
+  first_slot[num_seqs] = slots;
+  // Items run by run, partition by partition. A partition's rows are those long enough to
+  // reach it: consecutive, the lengths being monotonic.
+  std::vector<Item> items;
+  bool any_run = false;
+  for (const auto& [b, e] : runs) {
+    const int64_t longest = longest_of(b, e);
+    int64_t j = 0;
+    for (int64_t p = starts[longest]; p < seq_lens[longest]; p += part, ++j) {
+      int64_t r0 = b, r1 = e;
+      while (seq_lens[r0] <= p) ++r0;
+      while (seq_lens[r1 - 1] <= p) --r1;
+      const int64_t chunk = (r1 - r0 + row_splits - 1) / row_splits;
+      for (int64_t c0 = r0; c0 < r1; c0 += chunk) {
+        const int64_t c1 = std::min(r1, c0 + chunk);
+        const int64_t top = longest_of(c0, c1);
+        any_run = any_run || c1 - c0 > 1;
+        for (int64_t kv = 0; kv < num_kv_heads; kv += kv_per_item) {
+          items.push_back({c0, p, std::min(p + part, seq_lens[top]), j, kv,
+                           std::min(num_kv_heads, kv + kv_per_item), c1, top});
+        }
       }
     }
   }
-  first_slot[num_seqs] = slots;
   const int64_t num_items = static_cast<int64_t>(items.size());
 
   // The items' partial results [slots, heads, head_dim] and per-head maxima and sums
@@ -502,7 +826,6 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const float* q_p = q.data_ptr<float>();
   const cache_t* k_p = k_cache.data_ptr<cache_t>();
   const cache_t* v_p = v_cache.data_ptr<cache_t>();
-  const int64_t* bt_p = block_tables.data_ptr<int64_t>();
 
   // Threads take items from a shared counter, not an even split of the item list: the
   // items differ in size (a batch's long sequences come first, in full partitions; its
@@ -512,13 +835,26 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<float> scores(num_heads * part);
+    // A run's rows' scores and its widened tile of tokens, kept by the thread between calls.
+    static thread_local std::vector<float> run_space;
+    if (any_run) run_space.resize((kMaxRunRows * num_heads * part) + kRunTile * num_kv_heads * head_dim);
     for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
       const Item& it = items[i];
+#if defined(PAGEDLM_TILED)
+      if (it.seq_end - it.seq > 1) {
+        run_item<cache_t>(it, q_p, k_p, v_p, bt_p + it.longest * max_blocks, block_size,
+                          num_heads, num_kv_heads, head_dim, group, seq_lens.data(),
+                          first_slot.data(), soft_cap, slopes, run_space.data(),
+                          run_space.data() + kMaxRunRows * num_heads * part, acc_p, max_p, sum_p);
+        continue;
+      }
+#endif
+      const int64_t slot = first_slot[it.seq] + it.slot;
       decode_item<cache_t>(it, q_p + it.seq * num_heads * head_dim, k_p, v_p,
                            bt_p + it.seq * max_blocks, block_size, num_kv_heads, head_dim, group,
                            seq_lens[it.seq] - 1, soft_cap, slopes, scores.data(),
-                           acc_p + it.slot * num_heads * head_dim, max_p + it.slot * num_heads,
-                           sum_p + it.slot * num_heads);
+                           acc_p + slot * num_heads * head_dim, max_p + slot * num_heads,
+                           sum_p + slot * num_heads);
     }
   });
 
