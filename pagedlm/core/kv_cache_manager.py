@@ -295,7 +295,9 @@ class KVCacheManager:
         """(first changed entry, the table from there) since the last take, for workers
         that hold the rest of the table."""
         blocks = self.req_to_blocks.get(request_id, ())
-        start = self._changed_from.pop(request_id, len(blocks))
+        start = self._changed_from.pop(request_id, None)
+        if start is None:  # unchanged (most steps)
+            return len(blocks), []
         return start, [b.block_id for b in blocks[start:]]
 
     # ----- accounting ---------------------------------------------------------------------

@@ -40,16 +40,17 @@ class OutputBuilder:
         """`request` computes `num_new` tokens at this step (its blocks already allocated)."""
         request_id = request.request_id
         num_computed = request.num_computed_tokens
-        if request.num_synced_tokens == 0:
+        num_tokens = len(request.all_token_ids)
+        start = request.num_synced_tokens
+        if start == 0:
             out.new_reqs.append(self._new_request_data(request, self.kv.take_block_ids(request_id),
                                                        num_computed))
         else:
-            start = request.num_synced_tokens
             block_offset, new_block_ids = self.kv.take_block_ids_delta(request_id)
             out.cached_reqs.append(request_id, start, request.all_token_ids[start:],
                                    block_offset, new_block_ids, num_computed)
-        request.num_synced_tokens = request.num_tokens
-        if num_computed + num_new == request.num_tokens:
+        request.num_synced_tokens = num_tokens
+        if num_computed + num_new == num_tokens:
             followers = self.pending_forks.get(request_id)
             if followers:
                 # They share the table the leader has after this step's allocation.
@@ -61,7 +62,9 @@ class OutputBuilder:
                     f.num_synced_tokens = f.num_tokens
         out.num_scheduled_tokens[request_id] = num_new
         out.total_num_scheduled_tokens += num_new
-        out.num_prompt_tokens += min(num_new, max(0, request.num_prompt_tokens - num_computed))
+        num_prompt = len(request.prompt_token_ids)
+        if num_computed < num_prompt:
+            out.num_prompt_tokens += min(num_new, num_prompt - num_computed)
 
     def finish(self, out: SchedulerOutput) -> None:
         """Complete the step's output once every request is added."""

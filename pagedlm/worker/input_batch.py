@@ -30,11 +30,12 @@ from pagedlm.sample.sampling_batch import (
 from pagedlm.sampling_params import SamplingParams
 
 _STAGES = ("greedy", "top_k", "top_p", "min_p", "repetition", "penalties", "min_tokens",
-           "logprobs")
+           "logprobs", "prompt_logprobs")
 
 
 def _stages_of(p: SamplingParams, vocab_size: int) -> list[str]:
-    """The optional sampling stages a request's parameters use."""
+    """The optional sampling stages a request's parameters use (and whether it wants
+    prompt logprobs)."""
     used = [name for name, on in (
         ("greedy", p.is_greedy),
         ("top_k", 0 < p.top_k < vocab_size),
@@ -44,6 +45,7 @@ def _stages_of(p: SamplingParams, vocab_size: int) -> list[str]:
         ("penalties", p.frequency_penalty != 0.0 or p.presence_penalty != 0.0),
         ("min_tokens", p.min_tokens > 0),
         ("logprobs", p.logprobs is not None),
+        ("prompt_logprobs", p.prompt_logprobs is not None),
     ) if on]
     return used
 
@@ -106,6 +108,10 @@ class InputBatch:
     def num_reqs(self) -> int:
         return len(self.row_of)
 
+    def uses(self, stage: str) -> bool:
+        """Whether any row uses an optional stage of `_STAGES`."""
+        return self._uses[stage] > 0
+
     # ----- applying a step's changes ---------------------------------------------------------
 
     def update(self, sched: SchedulerOutput) -> None:
@@ -143,8 +149,9 @@ class InputBatch:
             offsets = np.asarray(one_offsets, dtype=np.int64)
             self._fit_tokens(max(one_offsets) + 1)
             self.token_ids[one_rows, offsets] = one_tokens
-            # Appending grows the row; replacing the last token leaves its length.
-            self.num_tokens[one_rows] = np.maximum(self.num_tokens[one_rows], offsets + 1)
+            # Appending grows the row by one; replacing its last token (the one other
+            # one-token delta) leaves its length: either way it ends after the token.
+            self.num_tokens[one_rows] = offsets + 1
         for i in longer:
             row, tokens = int(rows[i]), new_token_ids[i]
             start = token_offsets[i]

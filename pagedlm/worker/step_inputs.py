@@ -59,8 +59,11 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         batch.write_drafts(req_id, drafts)
     req_ids = list(sched.num_scheduled_tokens)
     rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     starts = batch.num_computed_tokens[rows]
+    # Decodes only, one token each (most steps)?
+    decodes_only = not spec and sched.total_num_scheduled_tokens == len(req_ids)
+    if not decodes_only:
+        q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     drafts_before = group = None
     if spec:
         # A request verifying k drafts becomes k + 1 one-token rows, decodes like any
@@ -78,13 +81,13 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
     # Decodes first, longest context first (the attention backend buckets decodes by
     # length), then prefill chunks, each group in scheduling order (a stable sort).
     num_reqs = len(rows)
-    if not spec and sched.total_num_scheduled_tokens == num_reqs:
-        # Decodes only, one token each (most steps): the same layout in fewer passes.
+    if decodes_only:  # the same layout in fewer passes
         order = np.argsort(-starts, kind="stable")
         rows, starts = rows[order], starts[order]
-        q_lens = np.ones(num_reqs, dtype=np.int64)
+        max_query_len = 1
         num_decodes = num_tokens = num_reqs
         seq_lens = starts + 1
+        max_seq_len = int(seq_lens[0])  # longest first
         cu = np.arange(num_reqs + 1, dtype=np.int64)
         req_of_token = cu[:-1]
         positions = starts
@@ -95,6 +98,7 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         rows, q_lens, starts = rows[order], q_lens[order], starts[order]
         num_decodes = num_reqs - int(is_prefill.sum())
         seq_lens = starts + q_lens
+        max_query_len, max_seq_len = int(q_lens.max()), int(seq_lens.max())
         cu = np.zeros(num_reqs + 1, dtype=np.int64)
         np.cumsum(q_lens, out=cu[1:])
         num_tokens = int(cu[-1])
@@ -104,14 +108,12 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
     input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
     max_blocks = int(batch.num_blocks[rows].max())
     block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
-    slot_mapping = (
-        block_tables[req_of_token, positions // block_size] * block_size
-        + positions % block_size
-    )
+    block_index, block_offset = np.divmod(positions, block_size)
+    slot_mapping = block_tables[req_of_token, block_index] * block_size + block_offset
 
     # A request samples when the step reaches its last token (each of the rows of a
     # request verifying drafts samples: as if the drafts before it were generated).
-    last_index = cu[1:] - 1
+    last_index = req_of_token if decodes_only else cu[1:] - 1
     sampled_extra = None
     if spec:
         drafts_before, group = drafts_before[order], group[order]
@@ -144,11 +146,12 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
     sampled_req_ids = [batch.req_ids[r] for r in sampled_rows.tolist()]
 
     prompt_rows = []
-    for i in np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist():
+    wanted = np.flatnonzero(batch.num_prompt_logprobs[rows] >= 0).tolist() if batch.uses("prompt_logprobs") else ()
+    for i in wanted:
         row = int(rows[i])
         # Position p predicts prompt token p + 1; only positions inside the prompt count.
         first = int(starts[i])
-        last = min(first + int(q_lens[i]), int(batch.num_prompt_tokens[row]) - 1)
+        last = min(first + int(cu[i + 1] - cu[i]), int(batch.num_prompt_tokens[row]) - 1)
         if last <= first:
             continue
         idx = np.arange(cu[i], cu[i] + (last - first), dtype=np.int64)
@@ -165,8 +168,8 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         num_decode_tokens=num_decodes,
         num_prefills=num_reqs - num_decodes,
         num_tokens=num_tokens,
-        max_query_len=int(q_lens.max()),
-        max_seq_len=int(seq_lens.max()),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
         query_start_loc=up(cu),
         seq_lens=up(seq_lens),
         block_tables=up(block_tables),
