@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.core.sched_output import NewRequestData
+from pagedlm.csrc import load_extension
 from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
+from pagedlm.worker import step_inputs
 from pagedlm.worker.input_batch import InputBatch
 from tests.core.step_view import attach_views, check_mirror
 
@@ -144,11 +146,12 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     engine = llm.llm_engine
     runner = engine.model_executor.driver_worker.model_runner
     prepare = runner.prepare_inputs
-    num_steps, every_token = [0], [0]
+    num_steps, every_token, kernel_steps = [0], [0], [0]
 
     def checked(sched):
         inputs = prepare(sched)
         check_mirror(engine.scheduler, runner.input_batch, attach_views(engine.scheduler, sched))
+        _check_equal_without_kernel(prepare, sched, inputs, kernel_steps)
         ref = _reference_inputs(engine, sched)
         meta = inputs.meta
         assert inputs.input_ids.tolist() == ref["input_ids"]
@@ -187,5 +190,39 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     engine.step()  # an idle step
     assert engine.kv_cache_manager.num_free_blocks == engine.kv_cache_manager.num_blocks
     engine.scheduler.check_invariants()
+    if load_extension("step_inputs_cpu") is not None and every_token[0]:
+        assert kernel_steps[0] > 0  # decode-only steps took the kernel
     return engine.get_stats(), num_steps[0], every_token[0]
+
+
+def _check_equal_without_kernel(prepare, sched, inputs, kernel_steps) -> None:
+    """A decode-only step's inputs from csrc/step_inputs_cpu.cpp equal those of the numpy
+    branch of worker/step_inputs.py (the kernel switched off), field for field."""
+    layout = step_inputs._decode_layout
+    kernel_steps[0] += layout(*_layout_args(prepare, sched)) is not None if _decodes_only(sched) else 0
+    step_inputs._decode_layout = lambda *args: None
+    try:
+        want = prepare(sched)
+    finally:
+        step_inputs._decode_layout = layout
+    for name in ("input_ids", "positions", "logits_indices"):
+        assert torch.equal(getattr(inputs, name), getattr(want, name)), name
+    for name in ("query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+        assert torch.equal(getattr(inputs.meta, name), getattr(want.meta, name)), name
+    for name in ("num_decodes", "num_prefills", "num_tokens", "max_query_len", "max_seq_len",
+                 "query_start_loc_cpu", "seq_lens_cpu"):
+        assert getattr(inputs.meta, name) == getattr(want.meta, name), name
+    assert np.array_equal(inputs.sampled_rows, want.sampled_rows)
+    assert inputs.sampled_req_ids == want.sampled_req_ids
+    assert inputs.every_token_sampled == want.every_token_sampled
+
+
+def _decodes_only(sched) -> bool:
+    return not sched.spec_token_ids and sched.total_num_scheduled_tokens == len(sched.num_scheduled_tokens)
+
+
+def _layout_args(prepare, sched):
+    batch = prepare.__self__.input_batch
+    rows = np.array([batch.row_of[r] for r in sched.num_scheduled_tokens], dtype=np.int64)
+    return batch, rows, prepare.__self__.block_size
 

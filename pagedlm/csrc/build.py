@@ -52,7 +52,7 @@ NO_COMPILER_FIX = "install one, e.g. `apt install g++`, or name it in CXX"
 # (LIBRARY_SOURCES).
 BUNDLED = {stem: "llama_decode_cpu" for stem in (
     "block_gemv_cpu", "layer_ops_cpu", "lora_cpu", "paged_attention_cpu", "panel_gemm_cpu",
-    "prefill_attention_cpu", "q8_gemm_cpu", "shm_allreduce_cpu")}
+    "prefill_attention_cpu", "q8_gemm_cpu", "shm_allreduce_cpu", "step_inputs_cpu")}
 
 # Libraries built from more than their own source: translation units the compiler runs in
 # parallel (each attention kernel takes about as long to compile as every other decoder

@@ -34,6 +34,7 @@
 #include "prefill_attention_cpu.h"
 #include "q8_gemm_cpu.cpp"
 #include "shm_allreduce_cpu.cpp"
+#include "step_inputs_cpu.cpp"
 
 #include <array>
 #include <chrono>
@@ -474,6 +475,7 @@ PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_prefill_attention_cpu(m);
   bind_q8_gemm_cpu(m);
   bind_shm_allreduce_cpu(m);
+  bind_step_inputs_cpu(m);
   // (lite_bind.h's types are per library: a second build of this one in a process, as
   // tests/isa_builds.py loads beside the native one, registers its own classes.)
   m.cls<Linear>("Linear")

@@ -103,10 +103,25 @@ class InputBatch:
         # Rows that use each optional sampling stage: a stage no row uses is skipped without
         # looking at the step's rows at all (most batches use none of them).
         self._uses = dict.fromkeys(_STAGES, 0)
+        # (the SchedulerOutput last applied, the rows of its requests in its order) when
+        # `update` found them all cached, for prepare_inputs; else None.
+        self.step_rows: tuple[SchedulerOutput, np.ndarray] | None = None
+        self._decode_columns: tuple[tuple[np.ndarray, ...], tuple[torch.Tensor, ...]] | None = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.row_of)
+
+    def decode_columns(self) -> tuple[torch.Tensor, ...]:
+        """torch views of the columns a decode-only step's inputs are read from
+        (num_computed_tokens, num_tokens, token_ids, num_blocks, block_table), for the
+        kernel of step_inputs.py; made again only after an array was replaced (grown)."""
+        arrays = (self.num_computed_tokens, self.num_tokens, self.token_ids, self.num_blocks,
+                  self.block_table)
+        cached = self._decode_columns
+        if cached is None or any(a is not b for a, b in zip(arrays, cached[0])):
+            cached = self._decode_columns = (arrays, tuple(torch.from_numpy(a) for a in arrays))
+        return cached[1]
 
     def uses(self, stage: str) -> bool:
         """Whether any row uses an optional stage of `_STAGES`."""
@@ -125,11 +140,14 @@ class InputBatch:
             for new in followers:
                 self.add(new)
         cached = sched.cached_reqs
+        self.step_rows = None
         if not len(cached):
             return
         row_of = self.row_of
         rows = np.fromiter((row_of[r] for r in cached.req_ids), dtype=np.int64,
                            count=len(cached))
+        if not sched.new_reqs:  # then these are the step's requests, in its order
+            self.step_rows = (sched, rows)
         self.num_computed_tokens[rows] = cached.num_computed_tokens
         # The common delta, one token (a decode's last sample, or a beam's replaced last
         # token), is written for all requests at once; longer ones (a resumed fork) and
@@ -271,11 +289,12 @@ class InputBatch:
         all_random = not all_greedy and num_random == num_reqs
         num_tokens = self.num_tokens[rows] if extra is None else self.num_tokens[rows] + extra
         num_output = num_tokens - self.num_prompt_tokens[rows]
-        device = torch.device(device)
+        if not isinstance(device, torch.device):
+            device = torch.device(device)
         on_host = device.type == "cpu"
 
-        def up(a: np.ndarray) -> torch.Tensor:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+        def up(a: np.ndarray) -> torch.Tensor:  # `a` is always a fresh, contiguous array
+            t = torch.from_numpy(a)
             return t if on_host else t.to(device)
 
         batch = SamplingBatch(num_reqs, self.vocab_size, device, all_greedy, all_random)

@@ -21,6 +21,7 @@ import torch
 
 from pagedlm.attention.metadata import AttentionMetadata
 from pagedlm.core.sched_output import SchedulerOutput
+from pagedlm.csrc import load_extension
 from pagedlm.worker.input_batch import InputBatch
 
 
@@ -49,6 +50,17 @@ class StepInputs:
 
 
 
+def _decode_layout(batch: InputBatch, rows: np.ndarray, block_size: int) -> np.ndarray | None:
+    """A decode-only step's layout from csrc/step_inputs_cpu.cpp, packed as it documents
+    (a numpy view), or None without the kernel."""
+    kernels = load_extension("step_inputs_cpu")
+    if kernels is None or not len(rows):
+        return None
+    num_computed, num_tokens, token_ids, num_blocks, block_table = batch.decode_columns()
+    return kernels.decode_step_inputs(torch.from_numpy(rows), num_computed, num_tokens, token_ids,
+                                      num_blocks, block_table, block_size).numpy()
+
+
 def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
                    upload: Callable[[np.ndarray], torch.Tensor]) -> StepInputs:
     """The step's tensors, gathered from the persistent batch `batch` (after its
@@ -58,10 +70,17 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
     for req_id, drafts in spec.items():
         batch.write_drafts(req_id, drafts)
     req_ids = list(sched.num_scheduled_tokens)
-    rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
-    starts = batch.num_computed_tokens[rows]
+    if batch.step_rows is not None and batch.step_rows[0] is sched:
+        rows = batch.step_rows[1]  # found by `update` already
+    else:
+        rows = np.fromiter((row_of[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
     # Decodes only, one token each (most steps)?
     decodes_only = not spec and sched.total_num_scheduled_tokens == len(req_ids)
+    # Such a step's layout comes from the kernel in one call where it is built (its numpy
+    # reference is the branch below).
+    packed = _decode_layout(batch, rows, block_size) if decodes_only else None
+    if packed is None:
+        starts = batch.num_computed_tokens[rows]
     if not decodes_only:
         q_lens = np.fromiter(sched.num_scheduled_tokens.values(), dtype=np.int64, count=len(req_ids))
     drafts_before = group = None
@@ -81,7 +100,18 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
     # Decodes first, longest context first (the attention backend buckets decodes by
     # length), then prefill chunks, each group in scheduling order (a stable sort).
     num_reqs = len(rows)
-    if decodes_only:  # the same layout in fewer passes
+    every_row = False  # every row samples, in order (most steps)
+    if packed is not None:
+        n = num_reqs
+        rows, positions, seq_lens, input_ids, slot_mapping = (packed[i * n:(i + 1) * n] for i in range(5))
+        cu = packed[5 * n:6 * n + 1]
+        every_row, max_blocks = bool(packed[6 * n + 1]), int(packed[6 * n + 2])
+        block_tables = packed[6 * n + 3:].reshape(n, max_blocks)
+        max_query_len, max_seq_len = 1, int(seq_lens[0])
+        num_decodes = num_tokens = num_reqs
+        starts = positions
+        req_of_token = cu[:-1]
+    elif decodes_only:  # the same layout in fewer passes
         order = np.argsort(-starts, kind="stable")
         rows, starts = rows[order], starts[order]
         max_query_len = 1
@@ -105,11 +135,12 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         req_of_token = np.repeat(np.arange(num_reqs), q_lens)  # [num_tokens]
         positions = np.arange(num_tokens, dtype=np.int64) - cu[req_of_token] + starts[req_of_token]
         row_of_token = rows[req_of_token]
-    input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
-    max_blocks = int(batch.num_blocks[rows].max())
-    block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
-    block_index, block_offset = np.divmod(positions, block_size)
-    slot_mapping = block_tables[req_of_token, block_index] * block_size + block_offset
+    if packed is None:
+        input_ids = batch.token_ids[row_of_token, positions]  # [num_tokens]
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_tables = batch.block_table[rows, :max_blocks]  # [num_reqs, max_blocks]
+        block_index, block_offset = np.divmod(positions, block_size)
+        slot_mapping = block_tables[req_of_token, block_index] * block_size + block_offset
 
     # A request samples when the step reaches its last token (each of the rows of a
     # request verifying drafts samples: as if the drafts before it were generated).
@@ -121,11 +152,15 @@ def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,
         # A verifying request's rows consecutive, in draft order (ModelRunner._verify).
         samples = samples[np.lexsort((drafts_before[samples], group[samples]))]
         sampled_extra = drafts_before[samples]
+    elif every_row:
+        samples = last_index
     else:
-        samples = np.flatnonzero(seq_lens == batch.num_tokens[rows])
+        reaches_end = seq_lens == batch.num_tokens[rows]
+        every_row = decodes_only and bool(reaches_end.all())
+        samples = last_index if every_row else np.flatnonzero(reaches_end)
     if not sched.fork_reqs:
-        sampled_rows = rows[samples]
-        logits_indices = last_index[samples]
+        sampled_rows = rows if every_row else rows[samples]
+        logits_indices = last_index if every_row else last_index[samples]
     else:
         sampled_list: list[int] = []
         index_list: list[int] = []
