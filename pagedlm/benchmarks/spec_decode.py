@@ -1,7 +1,7 @@
 """`pagedlm bench spec-decode`: what speculative decoding buys, against the same engine
 without it, in one run.
 
-Two engines with the same options, one with `--speculative-config` (default n-gram, 4
+Two engines with the same options, one with `--speculative-config` (default n-gram, 6
 drafts), take the same requests:
 
   * batch-1 latency on two ShareGPT workloads, one request at a time, greedy, each
