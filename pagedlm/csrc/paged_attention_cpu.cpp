@@ -213,6 +213,20 @@ struct Lanes16 {
 };
 #endif
 
+// dst[t] = the lane sum of x_t for t < count (<= 4): the reduction of every q . k score.
+template <typename L>
+inline void store_scores(typename L::V x0, typename L::V x1, typename L::V x2, typename L::V x3,
+                         int count, float* dst) {
+  const __m128 s = hsum4(L::to8(x0), L::to8(x1), L::to8(x2), L::to8(x3));
+  if (count == 4) {
+    _mm_storeu_ps(dst, s);
+  } else {
+    alignas(16) float out[4];
+    _mm_store_ps(out, s);
+    for (int t = 0; t < count; ++t) dst[t] = out[t];
+  }
+}
+
 // scores[g * n + i + t] = q_g . (toks[t] + off)[0 : head_dim] for t < count (<= 4), g < NG.
 template <int NG, typename L, typename cache_t>
 inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int64_t off,
@@ -231,16 +245,7 @@ inline void qk_tile(const float* q /*[NG, D]*/, const cache_t* const* toks, int6
       for (int g = 0; g < NG; ++g) acc[g][t] = L::fmadd(qv[g], kv, acc[g][t]);
     }
   }
-  for (int g = 0; g < NG; ++g) {
-    const __m128 s = hsum4(L::to8(acc[g][0]), L::to8(acc[g][1]), L::to8(acc[g][2]), L::to8(acc[g][3]));
-    if (count == 4) {
-      _mm_storeu_ps(scores + g * n + i, s);
-    } else {
-      alignas(16) float out[4];
-      _mm_store_ps(out, s);
-      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
-    }
-  }
+  for (int g = 0; g < NG; ++g) store_scores<L>(acc[g][0], acc[g][1], acc[g][2], acc[g][3], count, scores + g * n + i);
 }
 
 // acc[g, d0 : d0 + W * CB] = sum_i p[g * n + i] * (toks[i] + off)[d0 : d0 + W * CB], g < NG.
@@ -407,6 +412,21 @@ inline void softmax_numerators(float* s, int64_t n, float* max_out, float* sum_o
   *sum_out = sum;
 }
 
+// Scores [h, 0 : n) of heads h0 .. h1 - 1 after their soft cap and ALiBi bias; token i of
+// the row is at distance `first_distance` + i from its query (<= 0).
+inline void cap_and_slope(float* scores, int64_t n, int64_t h0, int64_t h1, int64_t first_distance,
+                          float soft_cap, const float* slopes) {
+  if (soft_cap <= 0.f && slopes == nullptr) return;
+  for (int64_t h = h0; h < h1; ++h) {
+    for (int64_t i = 0; i < n; ++i) {
+      float s = scores[h * n + i];
+      if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
+      if (slopes != nullptr) s += slopes[h] * static_cast<float>(first_distance + i);
+      scores[h * n + i] = s;
+    }
+  }
+}
+
 // One row's attention over the n tokens whose K and V rows (every kv head of a token, one
 // contiguous run of the cache's token stride) are k_toks[i] and v_toks[i]: for the query
 // heads of kv heads it.kv0 .. it.kv1 - 1, the scores, their softmax numerators and the
@@ -434,16 +454,7 @@ void attend(const Item& it, int64_t n, const float* q /*[H, D] of this row, pre-
       }
     }
   }
-  if (soft_cap > 0.f || slopes != nullptr) {
-    for (int64_t h = h0; h < h1; ++h) {
-      for (int64_t i = 0; i < n; ++i) {
-        float s = scores[h * n + i];
-        if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
-        if (slopes != nullptr) s += slopes[h] * static_cast<float>(it.begin + i - q_pos);
-        scores[h * n + i] = s;
-      }
-    }
-  }
+  cap_and_slope(scores, n, h0, h1, it.begin - q_pos, soft_cap, slopes);
   for (int64_t h = h0; h < h1; ++h) softmax_numerators(scores + h * n, n, m_out + h, s_out + h);
   if (tiled) {
 #if defined(PAGEDLM_TILED)
@@ -526,19 +537,9 @@ inline void qk_tile_f32(const float* q, const float* const* toks, int64_t off, i
     PAGEDLM_KEY(0) PAGEDLM_KEY(1) PAGEDLM_KEY(2) PAGEDLM_KEY(3)
 #undef PAGEDLM_KEY
   }
-  auto put = [&](int g, V x0, V x1, V x2, V x3) {
-    const __m128 s = hsum4(L::to8(x0), L::to8(x1), L::to8(x2), L::to8(x3));
-    if (count == 4) {
-      _mm_storeu_ps(scores + g * n + i, s);
-    } else {
-      alignas(16) float out[4];
-      _mm_store_ps(out, s);
-      for (int t = 0; t < count; ++t) scores[g * n + i + t] = out[t];
-    }
-  };
-  put(0, a00, a01, a02, a03);
-  if constexpr (NG > 1) put(1, a10, a11, a12, a13);
-  if constexpr (NG > 2) put(2, a20, a21, a22, a23);
+  store_scores<L>(a00, a01, a02, a03, count, scores + i);
+  if constexpr (NG > 1) store_scores<L>(a10, a11, a12, a13, count, scores + n + i);
+  if constexpr (NG > 2) store_scores<L>(a20, a21, a22, a23, count, scores + 2 * n + i);
 }
 
 template <int NG>
@@ -672,16 +673,7 @@ void run_item(const Item& it, const float* q /*[rows, H, D]*/, const cache_t* k_
     const int64_t nb = seen(b);
     if (nb <= 0) continue;
     float* sb = row_scores(b);
-    if (soft_cap > 0.f || slopes != nullptr) {
-      for (int64_t h = h0; h < h1; ++h) {
-        for (int64_t i = 0; i < nb; ++i) {
-          float s = sb[h * nb + i];
-          if (soft_cap > 0.f) s = soft_cap * std::tanh(s / soft_cap);
-          if (slopes != nullptr) s += slopes[h] * static_cast<float>(it.begin + i - (seq_lens[b] - 1));
-          sb[h * nb + i] = s;
-        }
-      }
-    }
+    cap_and_slope(sb, nb, h0, h1, it.begin - (seq_lens[b] - 1), soft_cap, slopes);
     const int64_t slot = first_slot[b] + it.slot;
     for (int64_t h = h0; h < h1; ++h) {
       softmax_numerators(sb + h * nb, nb, max_p + slot * num_heads + h, sum_p + slot * num_heads + h);
