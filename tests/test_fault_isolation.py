@@ -9,6 +9,7 @@ import torch
 
 from pagedlm import LLM, SamplingParams
 from pagedlm.sample.sampler import Sampler
+from pagedlm.worker.input_batch import InputBatch
 from pagedlm.worker.model_runner import nonfinite_rows
 
 PROMPTS = [{"prompt_token_ids": [5 + i, 17, 42, 99 - i, 7]} for i in range(6)]
@@ -54,6 +55,28 @@ def test_sampling_apart_matches_the_batch(tiny_llama_dir, monkeypatch):
     llm = _llm(tiny_llama_dir)
     got = llm.generate(PROMPTS, _params(), use_tqdm=False)
     assert apart["rows"] > len(PROMPTS)  # the fallback really ran
+    assert _tokens(got) == _tokens(expected)
+    assert all(o.error is None for o in got)
+
+
+def test_sampling_tensors_failing_fall_back_to_apart(tiny_llama_dir, monkeypatch):
+    """The batch's sampling tensors are gathered before the forward: when that raises, the
+    step still runs and each request is sampled apart, with the same tokens."""
+    llm = _llm(tiny_llama_dir)
+    expected = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    original = InputBatch.sampling_batch
+    apart = {"rows": 0}
+
+    def batch_only_fails(self, rows, device, extra=None):
+        if len(rows) > 1:
+            raise RuntimeError("injected: gathering the batch's sampling tensors fails")
+        apart["rows"] += 1
+        return original(self, rows, device, extra)
+
+    monkeypatch.setattr(InputBatch, "sampling_batch", batch_only_fails)
+    llm = _llm(tiny_llama_dir)
+    got = llm.generate(PROMPTS, _params(), use_tqdm=False)
+    assert apart["rows"] > len(PROMPTS)
     assert _tokens(got) == _tokens(expected)
     assert all(o.error is None for o in got)
 

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_io import CoreBeamRequest, CoreInfo, CoreOutputs, CoreRequest
 from pagedlm.engine.dashboard import SNAPSHOT_PERIOD_S, DashboardSnapshot
@@ -109,7 +111,14 @@ MessageHandler = Callable[[CoreMessage], None]
 def run_core_loop(core: EngineCore, recv: Callable[[bool], list], send: MessageHandler,
                   max_num_queued_requests: int | None) -> None:
     """Apply commands and step until a ShutdownCommand. `recv(block)` returns the queued
-    commands (at least one when `block`); `send` publishes a message."""
+    commands (at least one when `block`); `send` publishes a message. The loop runs in
+    inference mode, entered once (the thread or process is the loop's own)."""
+    with torch.inference_mode():
+        _core_loop(core, recv, send, max_num_queued_requests)
+
+
+def _core_loop(core: EngineCore, recv: Callable[[bool], list], send: MessageHandler,
+               max_num_queued_requests: int | None) -> None:
     stats_time = snapshot_time = 0.0
     watchers = 0  # dashboards open
     while True:

@@ -6,6 +6,8 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import fields
 
+import torch
+
 from pagedlm.config import EngineArgs
 from pagedlm.engine.core_sizing import UNBOUNDED_PREFILL_WITH_DECODES
 from pagedlm.engine.llm_engine import LLMEngine
@@ -202,15 +204,19 @@ class LLM:
             bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         num_out = 0
         try:
-            while engine.has_unfinished_requests():
-                for output in engine.step():
-                    if output.finished:
-                        results[output.request_id] = output
-                        if bar is not None:
-                            num_out += sum(len(o.token_ids) for o in output.outputs)
-                            bar.update(1)
-                            elapsed = bar.format_dict["elapsed"] or 1e-9
-                            bar.set_postfix_str(f"output {num_out / elapsed:.1f} tok/s", refresh=False)
+            # Inference mode once for the loop rather than once per step (see
+            # ModelRunner.execute_model); no user code runs inside it.
+            with torch.inference_mode():
+                while engine.has_unfinished_requests():
+                    for output in engine.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            if bar is not None:
+                                num_out += sum(len(o.token_ids) for o in output.outputs)
+                                bar.update(1)
+                                elapsed = bar.format_dict["elapsed"] or 1e-9
+                                bar.set_postfix_str(f"output {num_out / elapsed:.1f} tok/s",
+                                                    refresh=False)
         except BaseException:
             engine.abort_request([i for i in ids if i not in results])
             raise

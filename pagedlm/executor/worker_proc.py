@@ -97,6 +97,12 @@ def serve(conn: Connection) -> None:
     # other ranks do not sample and are sent none).
     if rank == 0:
         RemoteBitmask.receive = lambda: pickle.loads(conn.recv_bytes())
+    with torch.inference_mode():  # once for the process, not once per step
+        _serve_loop(conn, worker, rank)
+    shutdown_group()
+
+
+def _serve_loop(conn: Connection, worker, rank: int) -> None:
     while True:
         try:
             method, method_args = pickle.loads(conn.recv_bytes())
@@ -112,7 +118,6 @@ def serve(conn: Connection) -> None:
         except BaseException:
             conn.send(("error", traceback.format_exc()))
             break
-    shutdown_group()
 
 
 def shutdown_group() -> None:

@@ -146,14 +146,33 @@ class ModelRunner:
 
     # ----- one step ---------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, in inference mode. The loops that step the engine over and over (the
+        offline `LLM`, the engine core's loop, a worker process) hold inference mode
+        around the whole loop: entering it here for each step costs tens of microseconds
+        once the forward has evicted torch's Python-facing code from the caches."""
+        if torch.is_inference_mode_enabled():
+            return self._execute_model(sched)
+        with torch.inference_mode():
+            return self._execute_model(sched)
+
+    def _execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self.input_batch.update(sched)
         if sched.copy_blocks:
             self.copy_blocks(sched.copy_blocks)
         for slot, adapter in sched.lora_loads.items():
             self.lora.load(slot, adapter)
         inputs = self.prepare_inputs(sched)
+        # The sampling tensors depend on the batch alone, so they are gathered here, before
+        # the forward: afterwards, with the weights streamed through the caches, the same
+        # numpy and torch calls cost several times as much (benchmarks/cpu/step_host_time.py).
+        batch = batch_error = None
+        if inputs.sampled_req_ids and self.is_driver:
+            try:
+                batch = self.input_batch.sampling_batch(inputs.sampled_rows, self.device,
+                                                        inputs.sampled_extra)
+            except Exception as e:  # sampled apart below, each request's own fault
+                batch_error = e
         if self.lora is not None:
             step = self.lora.step
             step.set(inputs.lora_slots)
@@ -190,8 +209,8 @@ class ModelRunner:
                 logits[bad] = 0.0  # sampled as usual, then discarded
             self._apply_grammar(logits, req_ids, sched.grammar_bitmask)
         try:
-            batch = self.input_batch.sampling_batch(inputs.sampled_rows, logits.device,
-                                                    inputs.sampled_extra)
+            if batch_error is not None:
+                raise batch_error
             rows = _sampled_lists(self.sampler(logits, batch))
         except Exception:
             logger.exception("sampling the batch failed: sampling each request apart")
