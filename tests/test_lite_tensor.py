@@ -169,3 +169,33 @@ def test_bound_classes_keep_the_tensors_they_hold(lite):
         lite.Accumulator(object())
     with pytest.raises(RuntimeError, match="into must be one float32"):
         lite.Accumulator(torch.zeros(2))
+
+
+def test_numpy_arrays_convert_through_the_buffer_protocol(lite):
+    """A numpy array is taken as it is (no torch call): its dtype, shape and strides in
+    elements, the kernel writing into its memory, and the array itself returned."""
+    np = pytest.importorskip("numpy")
+    a = np.arange(12, dtype=np.int64).reshape(3, 4)
+    text, same = lite.describe(a)
+    assert text == "int64 [3, 4] [4, 1]" and same is a and a[0, 0] == 1
+    view = a[:, 1::2]  # strided: two elements between columns
+    assert lite.describe(view)[0] == "int64 [3, 2] [4, 2]" and a[0, 1] == 2
+    for dtype, name in ((np.int32, "int32"), (np.float32, "float32"), (np.float16, "float16"),
+                        (np.bool_, "bool"), (np.uint8, "uint8"), (np.int8, "int8")):
+        assert lite.describe(np.zeros(5, dtype=dtype))[0] == f"{name} [5] [1]"
+    f = np.zeros(2, dtype=np.float32)
+    lite.describe(f)
+    assert f.tolist() == [1.0, 0.0]
+    frozen = np.zeros(3, dtype=np.int64)
+    frozen.flags.writeable = False
+    with pytest.raises(TypeError, match="argument 1: a numpy.ndarray that is not a writable"):
+        lite.describe(frozen)
+    with pytest.raises(TypeError, match="argument 1: an array of format 'Zf'"):
+        lite.describe(np.zeros(2, dtype=np.complex64))
+    with pytest.raises(TypeError, match="argument 1: an array of format '>q'"):
+        lite.describe(np.zeros(2, dtype=">i8"))
+    held = weakref.ref(a.base if a.base is not None else a)
+    out = lite.describe(a)[1]
+    del a, same, view, out
+    gc.collect()
+    assert held() is None  # the conversion's buffer is released with the view

@@ -7,7 +7,7 @@
 //   }
 //
 // Arguments convert by their C++ type: Tensor from a torch tensor (a view holding a
-// reference to it), std::optional<...> from None or the value, int64_t/double/bool,
+// reference to it) or from a writable numpy array (any buffer, see buffer_view), std::optional<...> from None or the value, int64_t/double/bool,
 // std::vector<...> from a list or tuple, a bound class from its Python object. Trailing
 // std::optional parameters may be left out. Results: a Tensor returns the torch tensor it
 // came from, or a new torch tensor over memory a kernel allocated; vectors become lists and pairs
@@ -148,11 +148,76 @@ inline bool dlpack_view(PyObject* o, Tensor& out) {
   return true;  // the capsule, never consumed, frees its export on release
 }
 
+// The dtype of a buffer's struct-module format ("l", "<q", "e", ...) of items of
+// `itemsize` bytes; Undefined for a format the kernels do not take (big-endian, compound).
+inline ScalarType buffer_type(const char* format, Py_ssize_t itemsize) {
+  if (format == nullptr) format = "B";
+  if (*format == '@' || *format == '=' || *format == '<') ++format;
+  if (format[0] == '\0' || format[1] != '\0') return ScalarType::Undefined;
+  ScalarType type = ScalarType::Undefined;
+  switch (format[0]) {
+    case 'B': type = ScalarType::Byte; break;
+    case 'b': type = ScalarType::Char; break;
+    case 'h': type = ScalarType::Short; break;
+    case 'i': type = ScalarType::Int; break;
+    case 'l': case 'q': type = itemsize == 4 ? ScalarType::Int : ScalarType::Long; break;
+    case 'e': type = ScalarType::Half; break;
+    case 'f': type = ScalarType::Float; break;
+    case 'd': type = ScalarType::Double; break;
+    case '?': type = ScalarType::Bool; break;
+    default: return ScalarType::Undefined;
+  }
+  return pagedlm_lite::kElementSizes[static_cast<int>(type)] == itemsize ? type : ScalarType::Undefined;
+}
+
+// A view of a writable object with Python's buffer protocol (a numpy array), in C alone:
+// after a forward pass has pushed torch's Python-facing code out of the caches, each call
+// into it (from_numpy, _to_dlpack, .numpy()) costs microseconds, where this costs a few
+// hundred nanoseconds. False if `o` has no buffer; a TypeError for one the kernels cannot
+// take (read-only, an unknown format, strides not in whole items).
+inline bool buffer_view(PyObject* o, Py_ssize_t position, Tensor& out) {
+  if (!PyObject_CheckBuffer(o)) return false;
+  auto* view = new Py_buffer;
+  if (PyObject_GetBuffer(o, view, PyBUF_RECORDS) != 0) {
+    delete view;
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "argument %zd: a %s that is not a writable strided buffer",
+                 position, Py_TYPE(o)->tp_name);
+    throw PythonError{};
+  }
+  std::shared_ptr<void> owner(view, [](void* p) {
+    const PyGILState_STATE state = PyGILState_Ensure();
+    PyBuffer_Release(static_cast<Py_buffer*>(p));
+    PyGILState_Release(state);
+    delete static_cast<Py_buffer*>(p);
+  });
+  const ScalarType type = buffer_type(view->format, view->itemsize);
+  if (type == ScalarType::Undefined) {
+    PyErr_Format(PyExc_TypeError, "argument %zd: an array of format '%s' (%zd-byte items), "
+                 "which the kernels do not take", position, view->format ? view->format : "B",
+                 view->itemsize);
+    throw PythonError{};
+  }
+  std::vector<int64_t> sizes(view->shape, view->shape + view->ndim);
+  std::vector<int64_t> strides(view->ndim);
+  for (int d = 0; d < view->ndim; ++d) {
+    if (view->strides[d] % view->itemsize != 0) {
+      PyErr_Format(PyExc_TypeError, "argument %zd: strides not in whole items", position);
+      throw PythonError{};
+    }
+    strides[d] = view->strides[d] / view->itemsize;
+  }
+  out = Tensor(view->buf, type, std::move(sizes), std::move(strides), true, std::move(owner), o);
+  return true;
+}
+
 inline Tensor tensor_from(PyObject* o, Py_ssize_t position) {
   const Torch& t = torch_refs;
   if (!PyObject_TypeCheck(o, reinterpret_cast<PyTypeObject*>(t.tensor_type))) {
-    PyErr_Format(PyExc_TypeError, "argument %zd: expected a torch.Tensor, got %s", position,
-                 Py_TYPE(o)->tp_name);
+    Tensor view;
+    if (buffer_view(o, position, view)) return view;
+    PyErr_Format(PyExc_TypeError, "argument %zd: expected a torch.Tensor or a numpy array, "
+                 "got %s", position, Py_TYPE(o)->tp_name);
     throw PythonError{};
   }
   Tensor view;

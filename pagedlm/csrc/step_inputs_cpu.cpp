@@ -12,7 +12,9 @@
 //   block tables block_table[row, :max_blocks], max_blocks = max num_blocks[rows]
 //   slot_mapping table[position / block_size] * block_size + position % block_size
 //   every_row    whether every row's seq_len equals its num_tokens (each samples)
-// returned packed in one int64 tensor (see decode_step_inputs).
+// written packed into one int64 array the caller keeps (see decode_step_inputs): the
+// worker passes numpy arrays, read through the buffer protocol, so the call never enters
+// torch's Python bindings.
 
 #include "lite_bind.h"
 
@@ -31,12 +33,14 @@ const int64_t* long_data(const torch::Tensor& t, int64_t dims, const char* name)
 
 }  // namespace
 
-// [rows (n) | positions (n) | seq_lens (n) | input_ids (n) | slot_mapping (n) | cu (n + 1) |
-//  every_row | max_blocks | block tables (n * max_blocks, row-major)], n = rows.size(0) >= 1.
-torch::Tensor decode_step_inputs(torch::Tensor rows, torch::Tensor num_computed,
-                                 torch::Tensor num_tokens, torch::Tensor token_ids,
-                                 torch::Tensor num_blocks, torch::Tensor block_table,
-                                 int64_t block_size) {
+// Writes [rows (n) | positions (n) | seq_lens (n) | input_ids (n) | slot_mapping (n) |
+// cu (n + 1) | every_row | max_blocks | block tables (n * max_blocks, row-major)] to the
+// start of `out`, n = rows.size(0) >= 1; returns how many elements that is. `out` must
+// hold 6 n + 3 + n * block_table.size(1) elements (enough for any max_blocks).
+int64_t decode_step_inputs(torch::Tensor rows, torch::Tensor num_computed,
+                           torch::Tensor num_tokens, torch::Tensor token_ids,
+                           torch::Tensor num_blocks, torch::Tensor block_table,
+                           int64_t block_size, torch::Tensor out) {
   const int64_t* r = long_data(rows, 1, "rows");
   const int64_t* computed = long_data(num_computed, 1, "num_computed");
   const int64_t* lengths = long_data(num_tokens, 1, "num_tokens");
@@ -63,8 +67,10 @@ torch::Tensor decode_step_inputs(torch::Tensor rows, torch::Tensor num_computed,
   std::stable_sort(order.begin(), order.end(),
                    [&](int64_t a, int64_t b) { return computed[r[a]] > computed[r[b]]; });
 
-  torch::Tensor out = torch::empty({6 * n + 3 + n * max_blocks}, torch::kLong);
-  int64_t* o = out.data_ptr<int64_t>();
+  int64_t* o = const_cast<int64_t*>(long_data(out, 1, "out"));
+  TORCH_CHECK(out.size(0) >= 6 * n + 3 + n * table_width, "out holds ", out.size(0),
+              " elements, fewer than the ", 6 * n + 3 + n * table_width, " a step of ", n,
+              " rows may need");
   int64_t *o_rows = o, *o_pos = o + n, *o_lens = o + 2 * n, *o_ids = o + 3 * n;
   int64_t *o_slots = o + 4 * n, *o_cu = o + 5 * n, *o_tables = o + 6 * n + 3;
   bool every_row = true;
@@ -86,7 +92,7 @@ torch::Tensor decode_step_inputs(torch::Tensor rows, torch::Tensor num_computed,
   o_cu[n] = n;
   o[6 * n + 1] = every_row;
   o[6 * n + 2] = max_blocks;
-  return out;
+  return 6 * n + 3 + n * max_blocks;
 }
 
 // Its Python function, bound into the decoder's module (llama_decode_cpu.cpp), which

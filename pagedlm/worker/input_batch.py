@@ -106,22 +106,22 @@ class InputBatch:
         # (the SchedulerOutput last applied, the rows of its requests in its order) when
         # `update` found them all cached, for prepare_inputs; else None.
         self.step_rows: tuple[SchedulerOutput, np.ndarray] | None = None
-        self._decode_columns: tuple[tuple[np.ndarray, ...], tuple[torch.Tensor, ...]] | None = None
+        self._layout_buffers = [np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)]
+        self._layout_turn = 0
 
     @property
     def num_reqs(self) -> int:
         return len(self.row_of)
 
-    def decode_columns(self) -> tuple[torch.Tensor, ...]:
-        """torch views of the columns a decode-only step's inputs are read from
-        (num_computed_tokens, num_tokens, token_ids, num_blocks, block_table), for the
-        kernel of step_inputs.py; made again only after an array was replaced (grown)."""
-        arrays = (self.num_computed_tokens, self.num_tokens, self.token_ids, self.num_blocks,
-                  self.block_table)
-        cached = self._decode_columns
-        if cached is None or any(a is not b for a, b in zip(arrays, cached[0])):
-            cached = self._decode_columns = (arrays, tuple(torch.from_numpy(a) for a in arrays))
-        return cached[1]
+    def layout_buffer(self, size: int) -> np.ndarray:
+        """An int64 array of at least `size` elements for the packed layout of a decode
+        step (step_inputs.py), kept from step to step. Two take turns, so the tensors of
+        the step before, which view the other one, stay intact while this one is filled."""
+        self._layout_turn ^= 1
+        buf = self._layout_buffers[self._layout_turn]
+        if buf.shape[0] < size:
+            buf = self._layout_buffers[self._layout_turn] = np.empty(2 * size, dtype=np.int64)
+        return buf
 
     def uses(self, stage: str) -> bool:
         """Whether any row uses an optional stage of `_STAGES`."""

@@ -52,13 +52,16 @@ class StepInputs:
 
 def _decode_layout(batch: InputBatch, rows: np.ndarray, block_size: int) -> np.ndarray | None:
     """A decode-only step's layout from csrc/step_inputs_cpu.cpp, packed as it documents
-    (a numpy view), or None without the kernel."""
+    (a view of one of the batch's two layout buffers), or None without the kernel. The
+    arrays go to the kernel as numpy arrays: no call into torch."""
     kernels = load_extension("step_inputs_cpu")
     if kernels is None or not len(rows):
         return None
-    num_computed, num_tokens, token_ids, num_blocks, block_table = batch.decode_columns()
-    return kernels.decode_step_inputs(torch.from_numpy(rows), num_computed, num_tokens, token_ids,
-                                      num_blocks, block_table, block_size).numpy()
+    out = batch.layout_buffer(6 * len(rows) + 3 + len(rows) * batch.block_table.shape[1])
+    used = kernels.decode_step_inputs(rows, batch.num_computed_tokens, batch.num_tokens,
+                                      batch.token_ids, batch.num_blocks, batch.block_table,
+                                      block_size, out)
+    return out[:used]
 
 
 def prepare_inputs(batch: InputBatch, sched: SchedulerOutput, block_size: int,

@@ -84,6 +84,23 @@ double echo(c10::optional<torch::Tensor> t, std::vector<int64_t> xs, bool flag, 
   return (t ? t->numel() : -1) * 1e6 + sum * 1e3 + (flag ? 100 : 0) + f;
 }
 
+// What a tensor argument arrived as (dtype, sizes, strides in elements), after adding 1 to
+// its first element in place, and the argument itself (returned as the same object).
+std::pair<std::string, torch::Tensor> describe(torch::Tensor x) {
+  using pagedlm_lite::operator<<;
+  std::ostringstream text;
+  text << x.scalar_type() << ' ' << x.sizes() << ' ' << x.strides();
+  if (x.numel() > 0) {
+    switch (x.scalar_type()) {
+      case torch::kLong: *x.data_ptr<int64_t>() += 1; break;
+      case torch::kInt: *x.data_ptr<int32_t>() += 1; break;
+      case torch::kFloat: *x.data_ptr<float>() += 1; break;
+      default: break;
+    }
+  }
+  return {text.str(), x};
+}
+
 // A bound class: a running sum kept in a tensor the object holds.
 class Accumulator {
  public:
@@ -111,6 +128,7 @@ PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def<&chunks>("chunks");
   m.def<&threads>("threads");
   m.def<&echo>("echo");
+  m.def<&describe>("describe");
   m.attr("answer", 42);
   m.cls<Accumulator>("Accumulator")
       .init<torch::Tensor>()
