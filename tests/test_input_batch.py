@@ -10,16 +10,19 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedlm import LLM, SamplingParams
-from pagedlm.core.sched_output import NewRequestData
+from pagedlm.core.sched_output import CachedRequestData, NewRequestData
 from pagedlm.csrc import load_extension
 from pagedlm.sample.sampling_batch import SamplingRequestState, make_sampling_batch
-from pagedlm.worker import step_inputs
+from pagedlm.worker import input_batch, step_inputs
 from pagedlm.worker.input_batch import InputBatch
 from tests.core.step_view import attach_views, check_mirror
 
@@ -168,6 +171,10 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
         return inputs
 
     runner.prepare_inputs = checked
+    batch = runner.input_batch
+    update = batch.update
+
+    batch.update = lambda sched: _check_update_without_kernel(update, batch, sched)
     prompt_base = 0
     for i, (op, a, b, n, temperature) in enumerate(ops):
         if op == "add":
@@ -193,6 +200,63 @@ def _run_checked(tiny_llama_dir, ops, prefix_caching):
     if load_extension("step_inputs_cpu") is not None and every_token[0]:
         assert kernel_steps[0] > 0  # decode-only steps took the kernel
     return engine.get_stats(), num_steps[0], every_token[0]
+
+
+def _check_update_without_kernel(update, batch, sched) -> None:
+    """The batch after `update(sched)` with csrc's apply_token_deltas equals a copy of it
+    updated by the numpy branch (the kernel switched off), array for array."""
+    twin = copy.deepcopy(batch)
+    update(sched)
+    kernel = input_batch.load_extension
+    input_batch.load_extension = lambda stem: None
+    try:
+        InputBatch.update(twin, sched)
+    finally:
+        input_batch.load_extension = kernel
+    for name, value in vars(batch).items():
+        if not isinstance(value, np.ndarray) or name.startswith("_"):
+            continue
+        other = getattr(twin, name)
+        if value.ndim == 2:  # columns past the narrower one's are zero in the wider one
+            width = min(value.shape[1], other.shape[1])
+            assert not value[:, width:].any() and not other[:, width:].any(), name
+            value, other = value[:, :width], other[:, :width]
+        assert np.array_equal(value, other), name
+
+
+@given(data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_token_delta_kernel_equals_numpy(data):
+    """csrc's apply_token_deltas against InputBatch's numpy branch on random deltas: empty
+    (a prompt chunk), one token appended or replacing the last, longer (left to the
+    caller), over random rows of a batch."""
+    kernels = load_extension("step_inputs_cpu")
+    if kernels is None:
+        pytest.skip("the CPU kernels are not built here")
+    num_rows, width = data.draw(st.integers(1, 8)), 16
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    rows = rng.permutation(num_rows)[:data.draw(st.integers(1, num_rows))].astype(np.int64)
+    cached = CachedRequestData()
+    for row in rows.tolist():
+        length = int(rng.integers(1, width - 4))
+        kind = data.draw(st.sampled_from(["none", "append", "replace", "longer"]))
+        offset = {"none": length, "append": length, "replace": length - 1, "longer": length}[kind]
+        tokens = {"none": [], "longer": rng.integers(0, 99, 3).tolist()}.get(
+            kind, [int(rng.integers(0, 99))])
+        cached.append(f"r{row}", offset, tokens, 0, [], int(rng.integers(0, 50)))
+    want = InputBatch(100, max_num_rows=num_rows, max_num_tokens=width)
+    for name in ("token_ids", "num_tokens", "num_computed_tokens"):
+        getattr(want, name)[:] = rng.integers(0, 99, getattr(want, name).shape)
+    got = copy.deepcopy(want)
+    longer = want._apply_one_token_deltas(rows, cached)
+    assert kernels.apply_token_deltas(rows, cached.num_computed_tokens, cached.new_token_ids,
+                                      cached.token_offsets, got.num_computed_tokens,
+                                      got.num_tokens, got.token_ids) == longer
+    for name in ("token_ids", "num_tokens", "num_computed_tokens"):
+        assert np.array_equal(getattr(got, name), getattr(want, name)), name
+    with pytest.raises(RuntimeError, match="outside its 16 token columns"):
+        kernels.apply_token_deltas(rows[:1], [0], [[5]], [width], got.num_computed_tokens,
+                                   got.num_tokens, got.token_ids)
 
 
 def _check_equal_without_kernel(prepare, sched, inputs, kernel_steps) -> None:

@@ -95,9 +95,52 @@ int64_t decode_step_inputs(torch::Tensor rows, torch::Tensor num_computed,
   return 6 * n + 3 + n * max_blocks;
 }
 
-// Its Python function, bound into the decoder's module (llama_decode_cpu.cpp), which
+// The token deltas of a step's cached requests, applied to the persistent batch: what
+// worker/input_batch.py's InputBatch.update does with numpy, its reference (the engine
+// property test of tests/test_input_batch.py checks the batch after every step). For each
+// request i, at batch row rows[i]: num_computed[row] = computed[i]; a one-token delta
+// (a decode's last sample, or a beam's replaced last token) is written at
+// token_ids[row, offsets[i]] and the row then ends after it (num_tokens[row] =
+// offsets[i] + 1). Returns the requests whose delta is longer, which the caller applies;
+// an empty delta (a prompt chunk) changes no token. token_ids must be wide enough for
+// every one-token delta (the caller widens it first).
+std::vector<int64_t> apply_token_deltas(torch::Tensor rows, std::vector<int64_t> computed,
+                                        std::vector<std::vector<int64_t>> new_tokens,
+                                        std::vector<int64_t> offsets, torch::Tensor num_computed,
+                                        torch::Tensor num_tokens, torch::Tensor token_ids) {
+  const int64_t* r = long_data(rows, 1, "rows");
+  auto* done = const_cast<int64_t*>(long_data(num_computed, 1, "num_computed"));
+  auto* lengths = const_cast<int64_t*>(long_data(num_tokens, 1, "num_tokens"));
+  auto* tokens = const_cast<int64_t*>(long_data(token_ids, 2, "token_ids"));
+  const int64_t n = rows.size(0), num_rows = num_computed.size(0), width = token_ids.size(1);
+  TORCH_CHECK(static_cast<int64_t>(computed.size()) == n &&
+                  static_cast<int64_t>(new_tokens.size()) == n &&
+                  static_cast<int64_t>(offsets.size()) == n,
+              "rows, computed, new_tokens and offsets differ in length");
+  TORCH_CHECK(num_tokens.size(0) == num_rows && token_ids.size(0) == num_rows,
+              "the batch's columns differ in rows");
+  std::vector<int64_t> longer;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row = r[i];
+    TORCH_CHECK(row >= 0 && row < num_rows, "row ", row, " outside the batch of ", num_rows);
+    done[row] = computed[i];
+    if (new_tokens[i].size() > 1) {
+      longer.push_back(i);
+    } else if (new_tokens[i].size() == 1) {
+      TORCH_CHECK(offsets[i] >= 0 && offsets[i] < width, "row ", row, ": token offset ",
+                  offsets[i], " outside its ", width, " token columns");
+      tokens[row * width + offsets[i]] = new_tokens[i][0];
+      lengths[row] = offsets[i] + 1;
+    }
+  }
+  return longer;
+}
+
+// Its Python functions, bound into the decoder's module (llama_decode_cpu.cpp), which
 // compiles this file with its own (csrc/build.py BUNDLED).
 inline void bind_step_inputs_cpu(lite_bind::Module& m) {
   m.def<&decode_step_inputs>("decode_step_inputs",
                              "a decode-only step's inputs from the persistent batch (int64, CPU)");
+  m.def<&apply_token_deltas>("apply_token_deltas",
+                             "a step's one-token deltas applied to the persistent batch");
 }

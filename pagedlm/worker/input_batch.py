@@ -20,7 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pagedlm.core.sched_output import NewRequestData, SchedulerOutput
+from pagedlm.core.sched_output import CachedRequestData, NewRequestData, SchedulerOutput
+from pagedlm.csrc import load_extension
 from pagedlm.sample.sampling_batch import (
     SEED_MODULUS,
     SamplingBatch,
@@ -148,28 +149,18 @@ class InputBatch:
                            count=len(cached))
         if not sched.new_reqs:  # then these are the step's requests, in its order
             self.step_rows = (sched, rows)
-        self.num_computed_tokens[rows] = cached.num_computed_tokens
         # The common delta, one token (a decode's last sample, or a beam's replaced last
         # token), is written for all requests at once; longer ones (a resumed fork) and
         # block-table changes (one request in block_size per step) one request at a time.
         new_token_ids, token_offsets = cached.new_token_ids, cached.token_offsets
-        lens = list(map(len, new_token_ids))
-        if lens.count(1) == len(lens):  # every request one token (most steps)
-            one_rows, one_offsets = rows, token_offsets
-            one_tokens = [tokens[0] for tokens in new_token_ids]
-            longer: list[int] = []
+        kernels = load_extension("step_inputs_cpu")
+        if kernels is not None:  # in one call (csrc/step_inputs_cpu.cpp; numpy below)
+            self._fit_tokens(max(token_offsets) + 1)
+            longer = kernels.apply_token_deltas(
+                rows, cached.num_computed_tokens, new_token_ids, token_offsets,
+                self.num_computed_tokens, self.num_tokens, self.token_ids)
         else:
-            ones = [i for i, n in enumerate(lens) if n == 1]
-            one_rows, one_offsets = rows[ones], [token_offsets[i] for i in ones]
-            one_tokens = [new_token_ids[i][0] for i in ones]
-            longer = [i for i, n in enumerate(lens) if n > 1]
-        if one_offsets:
-            offsets = np.asarray(one_offsets, dtype=np.int64)
-            self._fit_tokens(max(one_offsets) + 1)
-            self.token_ids[one_rows, offsets] = one_tokens
-            # Appending grows the row by one; replacing its last token (the one other
-            # one-token delta) leaves its length: either way it ends after the token.
-            self.num_tokens[one_rows] = offsets + 1
+            longer = self._apply_one_token_deltas(rows, cached)
         for i in longer:
             row, tokens = int(rows[i]), new_token_ids[i]
             start = token_offsets[i]
@@ -191,6 +182,31 @@ class InputBatch:
             self.block_table[row, start:end] = blocks
             self.block_table[row, end : num_blocks[row]] = 0
             num_blocks[row] = end
+
+    def _apply_one_token_deltas(self, rows: np.ndarray, cached: CachedRequestData) -> list[int]:
+        """`update`'s computed-token counts and one-token deltas with numpy: the reference
+        of csrc/step_inputs_cpu.cpp's apply_token_deltas. Returns the requests whose delta
+        is longer."""
+        self.num_computed_tokens[rows] = cached.num_computed_tokens
+        new_token_ids, token_offsets = cached.new_token_ids, cached.token_offsets
+        lens = list(map(len, new_token_ids))
+        if lens.count(1) == len(lens):  # every request one token (most steps)
+            one_rows, one_offsets = rows, token_offsets
+            one_tokens = [tokens[0] for tokens in new_token_ids]
+            longer: list[int] = []
+        else:
+            ones = [i for i, n in enumerate(lens) if n == 1]
+            one_rows, one_offsets = rows[ones], [token_offsets[i] for i in ones]
+            one_tokens = [new_token_ids[i][0] for i in ones]
+            longer = [i for i, n in enumerate(lens) if n > 1]
+        if one_offsets:
+            offsets = np.asarray(one_offsets, dtype=np.int64)
+            self._fit_tokens(max(one_offsets) + 1)
+            self.token_ids[one_rows, offsets] = one_tokens
+            # Appending grows the row by one; replacing its last token (the one other
+            # one-token delta) leaves its length: either way it ends after the token.
+            self.num_tokens[one_rows] = offsets + 1
+        return longer
 
     def add(self, new: NewRequestData) -> None:
         assert new.req_id not in self.row_of, new.req_id
