@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -63,7 +64,8 @@ class RequestStream:
 
     def __init__(self, engine: StreamEngine) -> None:
         self._engine = engine
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()  # set while _items holds something
         self._unfinished: set[str] = set()
         # request id -> its place among the requests added to this stream (an API call's
         # prompt index), so callers never parse structure back out of ids
@@ -104,15 +106,26 @@ class RequestStream:
     def put(self, item: RequestOutput | BaseException) -> None:
         """The engine's side (event loop only): an output, or the error that ends the
         stream."""
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        """The next output. Outputs of one request that queued up while the consumer was
+        busy (a server behind the engine under load) come as one, their deltas joined, as
+        vLLM's output collector does: one response chunk to build and send for several
+        steps' tokens, instead of one per step."""
         if not self._unfinished:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        while (self._items and isinstance(item, RequestOutput)
+               and _join_delta(item, self._items[0])):
+            self._items.popleft()
         if isinstance(item, BaseException):
             self._unfinished.clear()
             raise item
@@ -137,3 +150,27 @@ class RequestStream:
         except Exception:  # interpreter shutdown
             pass
 
+
+def _join_delta(first: RequestOutput, then: object) -> bool:
+    """Append the DELTA output `then` to `first` when both are the same request's and can
+    be one (same sequences, `first` not final, `then` no error); False leaves both as
+    they are. Texts, token ids and logprobs are joined; the rest is `then`'s."""
+    if (not isinstance(then, RequestOutput) or then.request_id != first.request_id
+            or first.finished or first.error is not None or then.error is not None
+            or [c.index for c in first.outputs] != [c.index for c in then.outputs]
+            or (then.prompt_logprobs is not None and first.prompt_logprobs is not None)):
+        return False
+    for into, more in zip(first.outputs, then.outputs):
+        into.text += more.text
+        into.token_ids = into.token_ids + more.token_ids
+        if more.logprobs is not None:
+            into.logprobs = (into.logprobs or []) + more.logprobs
+        into.cumulative_logprob = more.cumulative_logprob
+        into.finish_reason, into.stop_reason = more.finish_reason, more.stop_reason
+    if then.prompt_logprobs is not None:
+        first.prompt_logprobs = then.prompt_logprobs
+    first.finished = then.finished
+    first.metrics = then.metrics
+    first.num_cached_tokens = max(first.num_cached_tokens, then.num_cached_tokens)
+    first.extra.update(then.extra)
+    return True
