@@ -4,6 +4,7 @@ same ShareGPT requests, repeated, one JSON per run and a summary with ranges and
 Per repeat, one after the other on the same machine (nothing else may run meanwhile):
   1. `pagedlm bench throughput` (offline `LLM`, in process);
   2. `pagedlm serve` + `pagedlm bench serving` at each request rate (Poisson, seed 0);
+     (1 and 2 swap places in odd repeats, so that neither always runs first);
   3. `llama-server` (N slots, continuous batching, same GGUF) + `pagedlm bench serving` at
      the same rates (skipped without --llama-server).
 Sampling everywhere: temperature 1, top-p 1, EOS ignored, so every request generates
@@ -94,30 +95,39 @@ def run(args) -> None:
         if "pagedlm" not in args.engines:
             _run_llama_server(args, repeat, out)
             continue
-        path = out / f"offline_r{repeat}.json"
-        print(f"== offline, repeat {repeat} -> {path.name}", flush=True)
-        subprocess.run(_cli("bench", "throughput", "--dataset", "sharegpt", "--num-prompts",
-                            str(args.num_prompts), "--seed", "0", *ENGINE_FLAGS, *threads,
-                            *args.serve_flag, "--ignore-eos", "--disable-tqdm",
-                            "--output-json", str(path)), check=True)
-
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        server = Server(_cli("serve", "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS,
-                             *threads, *args.serve_flag, "--seed", "0",
-                             "--uvicorn-log-level", "warning"),
-                        out / f"pagedlm_serve_r{repeat}.log")
-        try:
-            _wait_healthy(url, server.proc, server.log)
-            _serve_rates(args, "pagedlm", url, args.rates, repeat, out, [])
-        finally:
-            server.stop()
-
+        # Offline first in even repeats, served first in odd ones: on a VM the first of two
+        # runs in a row often measures faster, which would favour one side every time.
+        steps = [_offline, _served] if repeat % 2 == 0 else [_served, _offline]
+        for step in steps:
+            step(args, repeat, out, threads)
         if "llama-server" in args.engines:
             _run_llama_server(args, repeat, out)
     summary = summarize(out, args.rates)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(json.dumps(summary, indent=1))
+
+
+def _offline(args, repeat: int, out: Path, threads: list[str]) -> None:
+    path = out / f"offline_r{repeat}.json"
+    print(f"== offline, repeat {repeat} -> {path.name}", flush=True)
+    subprocess.run(_cli("bench", "throughput", "--dataset", "sharegpt", "--num-prompts",
+                        str(args.num_prompts), "--seed", "0", *ENGINE_FLAGS, *threads,
+                        *args.serve_flag, "--ignore-eos", "--disable-tqdm",
+                        "--output-json", str(path)), check=True)
+
+
+def _served(args, repeat: int, out: Path, threads: list[str]) -> None:
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = Server(_cli("serve", "--host", "127.0.0.1", "--port", str(port), *ENGINE_FLAGS,
+                         *threads, *args.serve_flag, "--seed", "0",
+                         "--uvicorn-log-level", "warning"),
+                    out / f"pagedlm_serve_r{repeat}.log")
+    try:
+        _wait_healthy(url, server.proc, server.log)
+        _serve_rates(args, "pagedlm", url, args.rates, repeat, out, [])
+    finally:
+        server.stop()
 
 
 def _run_llama_server(args, repeat: int, out: Path) -> None:
