@@ -7,8 +7,9 @@
 //   }
 //
 // Arguments convert by their C++ type: Tensor from a torch tensor (a view holding a
-// reference to it) or from a writable numpy array (any buffer, see buffer_view), std::optional<...> from None or the value, int64_t/double/bool,
-// std::vector<...> from a list or tuple, a bound class from its Python object. Trailing
+// reference to it) or from a writable numpy array (any buffer, see buffer_view),
+// std::optional<...> from None or the value, int64_t/double/bool, std::vector<...> from a
+// list or tuple, a bound class from its Python object. Trailing
 // std::optional parameters may be left out. Results: a Tensor returns the torch tensor it
 // came from, or a new torch tensor over memory a kernel allocated; vectors become lists and pairs
 // tuples. A C++ exception becomes RuntimeError with its message; an argument of the wrong
