@@ -1,6 +1,7 @@
 """lite_tensor.h and lite_bind.h, the torch-free layer under the CPU kernels, against torch:
-the scalar dtype conversions bit for bit, view's strides, parallel_for's split and errors
-over torch's OpenMP threads, and the bindings' conversions (tests/csrc/lite_check.cpp)."""
+the scalar dtype conversions bit for bit, view's strides, parallel_for's split, errors and
+the core it leaves to a busy frontend over torch's OpenMP threads, and the bindings'
+conversions (tests/csrc/lite_check.cpp)."""
 
 import gc
 import weakref
@@ -110,23 +111,87 @@ def test_views_torch_refuses_are_refused(lite, shape, dim, start, length, view):
         lite.view_strides(x, dim, start, length, list(view))
 
 
+def covers(chunks, begin, end):
+    """The chunks ((first, last), ...) are contiguous, in order, from begin to end."""
+    bounds = [c[0] for c in chunks]
+    return bounds[0][0] == begin and bounds[-1][1] == end and all(
+        a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:] + [(end, end + 1)]))
+
+
 def test_parallel_for_splits_over_torchs_threads(lite):
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         # The kernels share torch's OpenMP runtime: torch's thread count is theirs.
         assert lite.threads() == 2
-        assert lite.chunks(0, 10, 1, -1, False) == [(0, 5), (5, 10)]
-        assert lite.chunks(3, 10, 4, -1, False) == [(3, 7), (7, 10)]
-        assert lite.chunks(0, 10, 10, -1, False) == [(0, 10)]  # within one grain: serial
-        assert lite.chunks(0, 10, 1, -1, True) == [(0, 5), (5, 10)]
-        with pytest.raises(RuntimeError, match="chunk 5 failed"):
+        # Up to 4 chunks a thread, taken in turn: which thread runs which is not fixed.
+        chunks = lite.chunks(0, 10, 1, -1, False)
+        assert [c[0] for c in chunks] == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+        assert {c[1] for c in chunks} <= {0, 1}
+        chunks = lite.chunks(0, 1000, 1, -1, False)
+        assert covers(chunks, 0, 1000) and len(chunks) == 8
+        assert [c[0] for c in lite.chunks(3, 10, 4, -1, False)] == [(3, 7), (7, 10)]  # <= 2 grains
+        assert lite.chunks(0, 10, 10, -1, False) == [((0, 10), 0)]  # within one grain: serial
+        assert covers(lite.chunks(0, 10, 1, -1, True), 0, 10)
+        with pytest.raises(RuntimeError, match="chunk 6 failed"):
             lite.chunks(0, 10, 1, 7, False)
         torch.set_num_threads(1)
         assert lite.threads() == 1
-        assert lite.chunks(0, 10, 1, -1, False) == [(0, 10)]
+        assert lite.chunks(0, 10, 1, -1, False) == [((0, 10), 0)]
     finally:
         torch.set_num_threads(before)
+
+
+# In a process of its own: the library opens the flag's shared memory, named in the
+# environment, at its first parallel_for.
+_CPU_SHARE_CHECK = """
+import json, os, sys
+import torch
+from multiprocessing import shared_memory
+shm = shared_memory.SharedMemory(create=True, size=1)
+try:
+    os.environ["PAGEDLM_CPU_SHARE_FLAG"] = "/" + shm.name
+    sys.path.insert(0, sys.argv[1])
+    from test_lite_tensor import build
+    lite = build("native")
+    torch.set_num_threads(2)
+    flag = torch.frombuffer(shm.buf, dtype=torch.uint8)
+    down = lite.chunks(0, 80, 1, -1, False)
+    flag[0] = 1
+    up = lite.chunks(0, 80, 1, -1, False)
+    flag[0] = 0
+    raised = lite.chunks_while_raised(flag, 80, 200, 5)
+    after = lite.chunks(0, 80, 1, -1, False)
+    del flag
+    print(json.dumps({"down": down, "up": up, "raised": raised, "after": after}))
+finally:
+    shm.close()
+    shm.unlink()
+"""
+
+
+def test_parallel_for_leaves_a_core_to_the_frontend():
+    """While the frontend's flag is up (engine/cpu_share.py), a new parallel_for runs on one
+    thread fewer (on 2: serially), and in a running one the last thread takes no further
+    chunk: here it is raised inside thread 0's first chunk, which then lasts 100 ms."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _CPU_SHARE_CHECK, str(HERE)], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.splitlines()[-1])
+    for name in ("down", "after"):
+        assert covers(seen[name], 0, 80) and len(seen[name]) == 8
+    assert seen["up"] == [[[0, 80], 0]]
+    raised = seen["raised"]
+    assert covers(raised, 0, 80) and len(raised) == 8
+    # Thread 1 may have claimed one chunk as the flag went up, no more (without the rule it
+    # takes every chunk left while thread 0 holds its first, 30 ms of them against 200).
+    late = [c for c in raised if c[1] == [1, True]]
+    assert len(late) <= 1, raised
+    assert sum(1 for c in raised if c[1][0] == 0) >= 6, raised
 
 
 def test_bindings_convert_arguments_and_results(lite):

@@ -1,7 +1,10 @@
 // Test-only bindings of lite_tensor.h's pieces, compared with torch's own in
-// tests/test_lite_tensor.py: dtype conversions, view strides, parallel_for's chunks and
-// errors, and the binding layer's argument and result conversions.
+// tests/test_lite_tensor.py: dtype conversions, view strides, parallel_for's chunks, errors
+// and the core it leaves to a frontend, and the binding layer's argument and result
+// conversions.
 #include "lite_bind.h"
+
+#include <algorithm>
 
 namespace {
 
@@ -52,26 +55,58 @@ std::vector<int64_t> view_strides(torch::Tensor x, int64_t dim, int64_t start, i
   return out;
 }
 
-// Every chunk parallel_for(begin, end, grain) hands out, as [first, last) pairs in order,
-// and how many threads ran them; with `throw_at` inside a chunk, that chunk throws.
-std::vector<std::pair<int64_t, int64_t>> chunks(int64_t begin, int64_t end, int64_t grain,
-                                                int64_t throw_at, bool nested) {
-  std::vector<std::pair<int64_t, int64_t>> seen(64, {-1, -1});
+// Every chunk parallel_for(begin, end, grain) hands out, as ((first, last), thread) in
+// order of first; with `throw_at` inside a chunk, that chunk throws.
+std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> chunks(int64_t begin, int64_t end,
+                                                                   int64_t grain, int64_t throw_at,
+                                                                   bool nested) {
+  std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> seen;
   at::parallel_for(begin, end, grain, [&](int64_t first, int64_t last) {
     if (first <= throw_at && throw_at < last) TORCH_CHECK(false, "chunk ", first, " failed");
-    const int tid = omp_get_thread_num();
+    const int64_t tid = omp_get_thread_num();
     if (nested) {  // a parallel_for inside one runs serially, in one chunk
       int calls = 0;
       at::parallel_for(0, 1000, 1, [&](int64_t, int64_t) { ++calls; });
       TORCH_CHECK(calls == 1, "a nested parallel_for split its range");
     }
-    seen[tid] = {first, last};
+#pragma omp critical(lite_check_chunks)
+    seen.push_back({{first, last}, tid});
   });
-  std::vector<std::pair<int64_t, int64_t>> out;
-  for (auto& c : seen) {
-    if (c.first >= 0) out.push_back(c);
-  }
-  return out;
+  std::sort(seen.begin(), seen.end());
+  return seen;
+}
+
+// The chunks of parallel_for(0, n, 1), as ((first, last), (thread, whether the frontend's
+// flag was up when the chunk began)), while thread 0 raises the flag (`flag`: a tensor over
+// the byte the library reads, lite_tensor.h's cpu_share_busy) in its first chunk and then
+// holds that chunk for `hold_ms`; every other chunk lasts `chunk_ms`.
+std::vector<std::pair<std::pair<int64_t, int64_t>, std::pair<int64_t, bool>>> chunks_while_raised(
+    torch::Tensor flag, int64_t n, int64_t hold_ms, int64_t chunk_ms) {
+  TORCH_CHECK(flag.scalar_type() == torch::kByte && flag.numel() >= 1, "flag must be a uint8 tensor");
+  volatile uint8_t* f = flag.data_ptr<uint8_t>();
+  std::vector<std::pair<std::pair<int64_t, int64_t>, std::pair<int64_t, bool>>> seen;
+  bool raised = false;
+  at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {
+    const int64_t tid = omp_get_thread_num();
+    bool up;
+#pragma omp critical(lite_check_chunks)
+    {
+      if (tid == 0 && !raised) {
+        *f = 1;
+        raised = true;
+        up = false;
+      } else {
+        up = raised;
+      }
+      seen.push_back({{first, last}, {tid, up}});
+    }
+    const double until = omp_get_wtime() + (tid == 0 && !up ? hold_ms : chunk_ms) / 1000.0;
+    while (omp_get_wtime() < until) {
+    }
+  });
+  *f = 0;
+  std::sort(seen.begin(), seen.end());
+  return seen;
 }
 
 int64_t threads() { return at::get_num_threads(); }
@@ -126,6 +161,7 @@ PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def<&widen>("widen");
   m.def<&view_strides>("view_strides");
   m.def<&chunks>("chunks");
+  m.def<&chunks_while_raised>("chunks_while_raised");
   m.def<&threads>("threads");
   m.def<&echo>("echo");
   m.def<&describe>("describe");

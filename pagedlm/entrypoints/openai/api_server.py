@@ -264,8 +264,15 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict,
                                               "should_exit", True)
 
     engine.add_dead_listener(exit_later)
+    # When the core's threads fill the cores, this loop says when it runs, and the core
+    # leaves it a core meanwhile (engine/cpu_share.py).
+    share = getattr(engine.client, "share", None)
     try:
-        server.run()
+        if share is None:
+            server.run()
+        else:
+            with asyncio.Runner(loop_factory=share.loop_factory()) as runner:
+                runner.run(server.serve())
     finally:
         engine.shutdown()  # also when the lifespan never ran (the port was taken)
     return 1 if engine.dead_error is not None or server.forced else 0
