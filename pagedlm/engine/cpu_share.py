@@ -111,6 +111,11 @@ class _FlaggingSelector(selectors.DefaultSelector):
     def __init__(self, share: CpuShare) -> None:
         super().__init__()
         self._share = share
+        share.set_busy(True)  # the loop runs from here on, until it first waits
+
+    def close(self) -> None:  # the loop's end
+        self._share.set_busy(False)
+        super().close()
 
     def select(self, timeout: float | None = None) -> list:
         if timeout is not None and timeout <= 0:  # a poll between callbacks: still busy

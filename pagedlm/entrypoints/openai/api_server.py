@@ -62,7 +62,8 @@ from pagedlm.entrypoints.openai.serving_completion import CompletionServing
 
 logger = logging.getLogger(__name__)
 
-# Niceness of the server's frontend threads, relative to the engine core process
+# Niceness of the server's frontend threads, relative to the engine core process, when the
+# core leaves no core to the frontend (engine/cpu_share.py)
 # (PAGEDLM_FRONTEND_NICE overrides; 0 = same priority). Measured on 2 cores, ShareGPT-64 at
 # rate inf: 457 vs 441 output tok/s (two runs each), the frontend using ~1.4 CPU-s of ~64
 # (benchmarks/cpu/serving_cpu_split.py --frontend-nice 10 / 0).
@@ -226,9 +227,14 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict,
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests,
         launch=launch)
-    # The core's compute threads come first on a machine with fewer cores than threads:
-    # the frontend (this thread and the threads it starts from here on) yields to them.
-    nice = int(os.environ.get("PAGEDLM_FRONTEND_NICE", str(FRONTEND_NICE)))
+    # When the core's threads fill the cores, this loop says when it runs, and the core
+    # leaves it a core meanwhile (engine/cpu_share.py). Otherwise the core's compute threads
+    # come first: the frontend (this thread and the threads it starts from here on) yields
+    # to them. Not both: a niced frontend that has raised its flag can wait long for a core
+    # while the core computes on one thread fewer (served ShareGPT-64 at rate inf, 2 cores:
+    # 0.81 and 0.82 of offline niced, 0.91-1.02 not).
+    share = getattr(engine.client, "share", None)
+    nice = int(os.environ.get("PAGEDLM_FRONTEND_NICE", str(0 if share else FRONTEND_NICE)))
     if nice:
         os.nice(nice)
     names = args.served_model_name or [
@@ -264,9 +270,6 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict,
                                               "should_exit", True)
 
     engine.add_dead_listener(exit_later)
-    # When the core's threads fill the cores, this loop says when it runs, and the core
-    # leaves it a core meanwhile (engine/cpu_share.py).
-    share = getattr(engine.client, "share", None)
     try:
         if share is None:
             server.run()
