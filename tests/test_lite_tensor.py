@@ -1,7 +1,6 @@
 """lite_tensor.h and lite_bind.h, the torch-free layer under the CPU kernels, against torch:
-the scalar dtype conversions bit for bit, view's strides, parallel_for's split, errors and
-the core it leaves to a busy frontend over torch's OpenMP threads, and the bindings'
-conversions (tests/csrc/lite_check.cpp)."""
+the scalar dtype conversions bit for bit, view's strides, parallel_for's split and errors
+over torch's OpenMP threads, and the bindings' conversions (tests/csrc/lite_check.cpp)."""
 
 import gc
 import weakref
@@ -140,58 +139,6 @@ def test_parallel_for_splits_over_torchs_threads(lite):
         assert lite.chunks(0, 10, 1, -1, False) == [((0, 10), 0)]
     finally:
         torch.set_num_threads(before)
-
-
-# In a process of its own: the library opens the flag's shared memory, named in the
-# environment, at its first parallel_for.
-_CPU_SHARE_CHECK = """
-import json, os, sys
-import torch
-from multiprocessing import shared_memory
-shm = shared_memory.SharedMemory(create=True, size=1)
-try:
-    os.environ["PAGEDLM_CPU_SHARE_FLAG"] = "/" + shm.name
-    sys.path.insert(0, sys.argv[1])
-    from test_lite_tensor import build
-    lite = build("native")
-    torch.set_num_threads(2)
-    flag = torch.frombuffer(shm.buf, dtype=torch.uint8)
-    down = lite.chunks(0, 80, 1, -1, False)
-    flag[0] = 1
-    up = lite.chunks(0, 80, 1, -1, False)
-    flag[0] = 0
-    raised = lite.chunks_while_raised(flag, 80, 200, 5)
-    after = lite.chunks(0, 80, 1, -1, False)
-    del flag
-    print(json.dumps({"down": down, "up": up, "raised": raised, "after": after}))
-finally:
-    shm.close()
-    shm.unlink()
-"""
-
-
-def test_parallel_for_leaves_a_core_to_the_frontend():
-    """While the frontend's flag is up (engine/cpu_share.py), a new parallel_for runs on one
-    thread fewer (on 2: serially), and in a running one the last thread takes no further
-    chunk: here it is raised inside thread 0's first chunk, which then lasts 100 ms."""
-    import json
-    import subprocess
-    import sys
-
-    done = subprocess.run([sys.executable, "-c", _CPU_SHARE_CHECK, str(HERE)], capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0, done.stderr
-    seen = json.loads(done.stdout.splitlines()[-1])
-    for name in ("down", "after"):
-        assert covers(seen[name], 0, 80) and len(seen[name]) == 8
-    assert seen["up"] == [[[0, 80], 0]]
-    raised = seen["raised"]
-    assert covers(raised, 0, 80) and len(raised) == 8
-    # Thread 1 may have claimed one chunk as the flag went up, no more (without the rule it
-    # takes every chunk left while thread 0 holds its first, 30 ms of them against 200).
-    late = [c for c in raised if c[1] == [1, True]]
-    assert len(late) <= 1, raised
-    assert sum(1 for c in raised if c[1][0] == 0) >= 6, raised
 
 
 def test_bindings_convert_arguments_and_results(lite):

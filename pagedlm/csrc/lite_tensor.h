@@ -14,16 +14,12 @@
 // installs) and reach Python as torch tensors over that memory, through DLPack.
 #pragma once
 
-#include <fcntl.h>
 #include <omp.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -376,45 +372,18 @@ inline int get_num_threads() { return omp_get_max_threads(); }
 
 inline thread_local bool in_parallel_region = false;
 
-// Sharing the cores with a server's frontend (engine/cpu_share.py). When the engine core's
-// compute threads fill every core, a frontend on the same machine raises a flag in shared
-// memory while its event loop runs. While it is up, parallel_for leaves it one core: a new
-// team has one thread fewer, and in a running team the last thread takes no further
-// chunks. (A frontend that takes a core from a thread in the middle of a kernel otherwise
-// stalls every other thread at the kernel's end until that one runs again.) The flag is
-// the first byte of the shared-memory object PAGEDLM_CPU_SHARE_FLAG names, opened once per
-// library; without it, never up.
-constexpr const char* kCpuShareEnv = "PAGEDLM_CPU_SHARE_FLAG";
-
-inline const uint8_t* cpu_share_flag() {
-  static const uint8_t* const flag = []() -> const uint8_t* {
-    const char* name = std::getenv(kCpuShareEnv);
-    if (name == nullptr || *name == 0) return nullptr;
-    const int fd = shm_open(name, O_RDONLY, 0);
-    if (fd < 0) return nullptr;
-    void* p = mmap(nullptr, 1, PROT_READ, MAP_SHARED, fd, 0);
-    close(fd);
-    return p == MAP_FAILED ? nullptr : static_cast<const uint8_t*>(p);
-  }();
-  return flag;
-}
-
-inline bool cpu_share_busy() {
-  const uint8_t* flag = cpu_share_flag();
-  return flag != nullptr && __atomic_load_n(flag, __ATOMIC_RELAXED) != 0;
-}
-
 // Chunks per thread of a parallel_for: threads take them from a shared counter, so a
-// thread that loses its core for a while (to the frontend, another process, the
-// hypervisor) holds the others up by one chunk rather than by its share of the range.
+// thread that loses its core for a while (to the server's frontend, a load client, the
+// hypervisor) holds the others up by its current chunk rather than by the rest of its share
+// of the range, which the others take over.
 constexpr int64_t kChunksPerThread = 4;
 
 // at::parallel_for's contract over OpenMP's threads: f(begin, end) on contiguous chunks
 // (no more than ceil(range / grain)) that together cover the range once, each on one
-// thread (a thread may run several); serial for a range of up to `grain`
-// elements, with one thread, or inside another parallel_for. Which thread runs a chunk
-// changes no result (every kernel's chunks compute disjoint outputs). An exception in a
-// chunk is rethrown here, after every chunk has finished.
+// thread (a thread may run several); serial for a range of up to `grain` elements, with
+// one thread, or inside another parallel_for. Which thread runs a chunk changes no result
+// (every kernel's chunks compute disjoint outputs). An exception in a chunk is rethrown
+// here, after every chunk has finished.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
@@ -423,7 +392,6 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   int64_t threads = 1;
   if (range > min_chunk && !in_parallel_region && !omp_in_parallel()) {
     threads = get_num_threads();
-    if (threads > 1 && cpu_share_busy()) threads -= 1;
   }
   if (threads <= 1) {
     const bool outer = in_parallel_region;
@@ -446,10 +414,8 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   std::exception_ptr error;
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
-    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
     in_parallel_region = true;
     for (;;) {
-      if (team > 1 && tid == team - 1 && cpu_share_busy()) break;  // its core to the frontend
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
       if (c >= chunks) break;
       const int64_t first = begin + c * chunk;

@@ -82,6 +82,3 @@ class CoreInfo:
     num_blocks: int
     block_size: int
     lora_enabled: bool = False
-    # Its CPU kernels leave a core to the frontend while the frontend's flag is up
-    # (engine/cpu_share.py).
-    cpu_share: bool = False

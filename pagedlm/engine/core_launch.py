@@ -17,18 +17,15 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
 from pagedlm.config import EngineArgs
-from pagedlm.engine import cpu_share
 from pagedlm.loader.model_paths import local_model_path
 
 
 @dataclass
 class CoreLaunch:
-    """A core process started and not yet ready: its process, this side's pipe end and the
-    flag by which this side says when it needs a core (engine/cpu_share.py)."""
+    """A core process started and not yet ready: its process and this side's pipe end."""
 
     process: BaseProcess
     conn: multiprocessing.connection.Connection
-    share: cpu_share.CpuShare | None = None
 
     def abandon(self, timeout: float = 5.0) -> None:
         """Let the process go (the frontend failed before taking it over, or has shut it
@@ -39,8 +36,6 @@ class CoreLaunch:
         _build_lock). Idempotent."""
         self.conn.close()
         self.process.join(timeout)
-        if self.share is not None:
-            self.share.close()
 
 
 # How long the core's OpenMP threads spin after a parallel region before they sleep
@@ -66,21 +61,16 @@ def launch_core(args: EngineArgs, max_num_queued_requests: int | None = None) ->
     log_levels = (logging.getLogger().level, logging.getLogger("pagedlm").getEffectiveLevel())
     process = ctx.Process(target=_core_entry, name="pagedlm-engine-core",
                           args=(child_conn, args, max_num_queued_requests, log_levels))
-    share = cpu_share.CpuShare() if cpu_share.enabled() else None
-    env = {} if "GOMP_SPINCOUNT" in os.environ else {"GOMP_SPINCOUNT": CORE_GOMP_SPINCOUNT}
-    env.update(share.env if share is not None else {})
-    os.environ.update(env)  # the spawned process's environment
+    own = "GOMP_SPINCOUNT" not in os.environ
+    if own:
+        os.environ["GOMP_SPINCOUNT"] = CORE_GOMP_SPINCOUNT  # the spawned process's environment
     try:
         process.start()
-    except BaseException:
-        if share is not None:
-            share.close()
-        raise
     finally:
-        for name in env:
-            os.environ.pop(name, None)
+        if own:
+            os.environ.pop("GOMP_SPINCOUNT", None)
     child_conn.close()
-    launch = CoreLaunch(process, conn, share)
+    launch = CoreLaunch(process, conn)
     try:
         local_model_path(args.model, args.revision)
     except BaseException:

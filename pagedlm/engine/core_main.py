@@ -5,14 +5,12 @@ orphaned. Started by engine/core_launch.py; the frontend's side is engine/core_p
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import signal
 
 from pagedlm.config import EngineArgs
 from pagedlm.csrc import prepare_cpu_kernels
-from pagedlm.engine import cpu_share
 from pagedlm.engine.core import EngineCore
 from pagedlm.engine.core_client import CoreMessage, run_core_loop
 from pagedlm.executor.worker_proc import die_with_parent
@@ -20,16 +18,6 @@ from pagedlm.loader.model_loader import resolve_model_source
 from pagedlm.worker.worker import resolve_device
 
 logger = logging.getLogger(__name__)
-
-
-def compute_threads(args: EngineArgs) -> int:
-    """The threads this process's kernels will compute with (1 when tensor-parallel ranks
-    in processes of their own do the computing, a thread each by default)."""
-    if args.tensor_parallel_size > 1:
-        return 1
-    import torch
-
-    return args.num_threads or torch.get_num_threads()
 
 
 def core_process_main(conn, args: EngineArgs, max_num_queued_requests: int | None,
@@ -54,14 +42,10 @@ def core_process_main(conn, args: EngineArgs, max_num_queued_requests: int | Non
         eos_token_ids = conn.recv()  # sent once the frontend's tokenizer is loaded
     except (EOFError, OSError):
         return  # the frontend gave up before taking us over (a bad argument, Ctrl-C)
-    # Before the first kernel runs (they read the flag's name once): whether this core's
-    # threads fill the cores, so that it leaves one to a busy frontend.
-    shares = cpu_share.keep_flag_if_used(compute_threads(args) if on_cpu else 1)
     try:
         source = resolve_model_source(args.model, args.revision)
         logger.info("engine core: loading %s", source.path)
         core = EngineCore(args, source, eos_token_ids)
-        core.info = dataclasses.replace(core.info, cpu_share=shares)
     except BaseException as e:
         logger.exception("the engine core failed to start")
         conn.send(("error", type(e).__name__, str(e)))

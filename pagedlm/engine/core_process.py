@@ -52,9 +52,6 @@ class ProcessCoreClient:
         if launch is None:
             launch = launch_core(args, max_num_queued_requests)
         self.process, self._conn = launch.process, launch.conn
-        # The flag this side raises while busy (engine/cpu_share.py); None once the core
-        # said it does not use it.
-        self.share = launch.share
         try:
             self._conn.send(tuple(eos_token_ids))  # what the core waits for to load
         except OSError:
@@ -63,31 +60,22 @@ class ProcessCoreClient:
             ready = self._conn.recv()
         except EOFError:
             self.process.join(5)
-            self._close_share()
             raise CoreProcessError(
                 f"the engine core process exited during start-up (exit code "
                 f"{self.process.exitcode}); see the log above") from None
         if ready[0] == "error":
             self.process.join(_SHUTDOWN_TIMEOUT_S)
-            self._close_share()
             _, kind, text = ready
             if kind == "ValueError":
                 raise ValueError(text)
             raise CoreProcessError(f"the engine core failed to start: {text}")
         _, self.info, self.initial_stats = ready
-        if not self.info.cpu_share:
-            self._close_share()
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._closing = False
         # Reaping the process from two threads at once loses its exit status (one
         # waitpid gets it, the other ECHILD) and is_alive() then stays True forever.
         self._reap_lock = threading.Lock()
-
-    def _close_share(self) -> None:
-        if self.share is not None:
-            self.share.close()
-            self.share = None
 
     @property
     def pid(self) -> int | None:
@@ -164,4 +152,3 @@ class ProcessCoreClient:
             self.process.kill()
             self._wait_exit(5)
         self._conn.close()
-        self._close_share()

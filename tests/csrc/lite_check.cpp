@@ -1,7 +1,6 @@
 // Test-only bindings of lite_tensor.h's pieces, compared with torch's own in
-// tests/test_lite_tensor.py: dtype conversions, view strides, parallel_for's chunks, errors
-// and the core it leaves to a frontend, and the binding layer's argument and result
-// conversions.
+// tests/test_lite_tensor.py: dtype conversions, view strides, parallel_for's chunks and
+// errors, and the binding layer's argument and result conversions.
 #include "lite_bind.h"
 
 #include <algorithm>
@@ -76,39 +75,6 @@ std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> chunks(int64_t begi
   return seen;
 }
 
-// The chunks of parallel_for(0, n, 1), as ((first, last), (thread, whether the frontend's
-// flag was up when the chunk began)), while thread 0 raises the flag (`flag`: a tensor over
-// the byte the library reads, lite_tensor.h's cpu_share_busy) in its first chunk and then
-// holds that chunk for `hold_ms`; every other chunk lasts `chunk_ms`.
-std::vector<std::pair<std::pair<int64_t, int64_t>, std::pair<int64_t, bool>>> chunks_while_raised(
-    torch::Tensor flag, int64_t n, int64_t hold_ms, int64_t chunk_ms) {
-  TORCH_CHECK(flag.scalar_type() == torch::kByte && flag.numel() >= 1, "flag must be a uint8 tensor");
-  volatile uint8_t* f = flag.data_ptr<uint8_t>();
-  std::vector<std::pair<std::pair<int64_t, int64_t>, std::pair<int64_t, bool>>> seen;
-  bool raised = false;
-  at::parallel_for(0, n, 1, [&](int64_t first, int64_t last) {
-    const int64_t tid = omp_get_thread_num();
-    bool up;
-#pragma omp critical(lite_check_chunks)
-    {
-      if (tid == 0 && !raised) {
-        *f = 1;
-        raised = true;
-        up = false;
-      } else {
-        up = raised;
-      }
-      seen.push_back({{first, last}, {tid, up}});
-    }
-    const double until = omp_get_wtime() + (tid == 0 && !up ? hold_ms : chunk_ms) / 1000.0;
-    while (omp_get_wtime() < until) {
-    }
-  });
-  *f = 0;
-  std::sort(seen.begin(), seen.end());
-  return seen;
-}
-
 int64_t threads() { return at::get_num_threads(); }
 
 // Echoes of the argument conversions: an optional tensor's element count (-1 for None),
@@ -161,7 +127,6 @@ PAGEDLM_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def<&widen>("widen");
   m.def<&view_strides>("view_strides");
   m.def<&chunks>("chunks");
-  m.def<&chunks_while_raised>("chunks_while_raised");
   m.def<&threads>("threads");
   m.def<&echo>("echo");
   m.def<&describe>("describe");

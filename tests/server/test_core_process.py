@@ -85,19 +85,12 @@ def test_core_death_is_reported_and_the_server_exits(tmp_path, tiny_model_dir):
         server.stop()
 
 
-def _shared_flags(process) -> list[str]:
-    """The CPU-share flags (engine/cpu_share.py) a process has mapped."""
-    return [m.path for m in process.memory_maps() if m.path.startswith("/dev/shm/psm_")]
-
-
 def test_sigint_stops_the_core_with_the_server(tmp_path, tiny_model_dir):
     server = ServerProcess([tiny_model_dir, *TINY_ARGS, "--served-model-name", TINY_NAME],
                            tmp_path / "server.log")
     try:
         server.wait_healthy()
         core = _core_process(server)
-        # One compute thread leaves cores free: the frontend dropped its CPU-share flag.
-        assert _shared_flags(psutil.Process(server.proc.pid)) == []
     finally:
         server.stop()
     assert server.proc.returncode in (0, 130), server.log()  # 130: uvicorn re-raises SIGINT
@@ -234,37 +227,3 @@ def test_the_core_spins_briefly_between_kernels_unless_told_otherwise(monkeypatc
         launch.abandon(120)
     assert seen == (given or core_launch.CORE_GOMP_SPINCOUNT)
     assert os.environ.get("GOMP_SPINCOUNT") == given
-
-
-def test_a_core_filling_the_cores_shares_them_with_the_frontend(tmp_path, tiny_model_dir):
-    """With a compute thread per core, the frontend keeps a CPU-share flag the core maps
-    (its kernels leave a core to the frontend while it is up), streams as usual through
-    the event loop that keeps the flag, and removes the flag when it stops."""
-    import httpx
-
-    cores = len(os.sched_getaffinity(0))
-    if cores < 2:
-        pytest.skip("one core: a single compute thread has nothing to leave")
-    args = [a if i == 0 or TINY_ARGS[i - 1] != "--num-threads" else str(cores)
-            for i, a in enumerate(TINY_ARGS)]
-    server = ServerProcess([tiny_model_dir, *args, "--served-model-name", TINY_NAME],
-                           tmp_path / "server.log")
-    try:
-        server.wait_healthy()
-        frontend = psutil.Process(server.proc.pid)
-        flags = _shared_flags(frontend)
-        assert len(flags) == 1, server.log()
-        assert frontend.nice() == _core_process(server).nice()  # not niced: it says when it runs
-        body = {"model": TINY_NAME, "prompt": "Once upon a time", "max_tokens": 24,
-                "ignore_eos": True, "stream": True}
-        with httpx.Client(base_url=server.url, timeout=60) as http, \
-                http.stream("POST", "/v1/completions", json=body) as r:
-            assert r.status_code == 200
-            events = [line for line in r.iter_lines() if line.startswith("data: ")]
-        assert events[-1] == "data: [DONE]" and len(events) >= 3, events
-        # The core's kernels read the flag once they run with more than one thread.
-        assert _shared_flags(_core_process(server)) == flags
-    finally:
-        server.stop()
-    assert server.proc.returncode in (0, 130), server.log()
-    assert not os.path.exists(flags[0])

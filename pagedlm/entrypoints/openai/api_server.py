@@ -62,8 +62,7 @@ from pagedlm.entrypoints.openai.serving_completion import CompletionServing
 
 logger = logging.getLogger(__name__)
 
-# Niceness of the server's frontend threads, relative to the engine core process, when the
-# core leaves no core to the frontend (engine/cpu_share.py)
+# Niceness of the server's frontend threads, relative to the engine core process
 # (PAGEDLM_FRONTEND_NICE overrides; 0 = same priority). Measured on 2 cores, ShareGPT-64 at
 # rate inf: 457 vs 441 output tok/s (two runs each), the frontend using ~1.4 CPU-s of ~64
 # (benchmarks/cpu/serving_cpu_split.py --frontend-nice 10 / 0).
@@ -227,14 +226,9 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict,
     engine = AsyncLLMEngine.from_engine_args(
         EngineArgs(**engine_kwargs), max_num_queued_requests=args.max_num_queued_requests,
         launch=launch)
-    # When the core's threads fill the cores, this loop says when it runs, and the core
-    # leaves it a core meanwhile (engine/cpu_share.py). Otherwise the core's compute threads
-    # come first: the frontend (this thread and the threads it starts from here on) yields
-    # to them. Not both: a niced frontend that has raised its flag can wait long for a core
-    # while the core computes on one thread fewer (served ShareGPT-64 at rate inf, 2 cores:
-    # 0.81 and 0.82 of offline niced, 0.91-1.02 not).
-    share = getattr(engine.client, "share", None)
-    nice = int(os.environ.get("PAGEDLM_FRONTEND_NICE", str(0 if share else FRONTEND_NICE)))
+    # The core's compute threads come first on a machine with fewer cores than threads:
+    # the frontend (this thread and the threads it starts from here on) yields to them.
+    nice = int(os.environ.get("PAGEDLM_FRONTEND_NICE", str(FRONTEND_NICE)))
     if nice:
         os.nice(nice)
     names = args.served_model_name or [
@@ -271,11 +265,7 @@ def run_server(args: argparse.Namespace, engine_kwargs: dict,
 
     engine.add_dead_listener(exit_later)
     try:
-        if share is None:
-            server.run()
-        else:
-            with asyncio.Runner(loop_factory=share.loop_factory()) as runner:
-                runner.run(server.serve())
+        server.run()
     finally:
         engine.shutdown()  # also when the lifespan never ran (the port was taken)
     return 1 if engine.dead_error is not None or server.forced else 0
