@@ -17,7 +17,6 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -372,28 +371,15 @@ inline int get_num_threads() { return omp_get_max_threads(); }
 
 inline thread_local bool in_parallel_region = false;
 
-// Chunks per thread of a parallel_for: threads take them from a shared counter, so a
-// thread that loses its core for a while (to the server's frontend, a load client, the
-// hypervisor) holds the others up by its current chunk rather than by the rest of its share
-// of the range, which the others take over.
-constexpr int64_t kChunksPerThread = 4;
-
-// at::parallel_for's contract over OpenMP's threads: f(begin, end) on contiguous chunks
-// (no more than ceil(range / grain)) that together cover the range once, each on one
-// thread (a thread may run several); serial for a range of up to `grain` elements, with
-// one thread, or inside another parallel_for. Which thread runs a chunk changes no result
-// (every kernel's chunks compute disjoint outputs). An exception in a chunk is rethrown
-// here, after every chunk has finished.
+// at::parallel_for's contract and its split over OpenMP's threads: f(begin, end) on
+// contiguous chunks, at most one per thread; serial for a range of up to `grain`
+// elements, with one thread, or inside another parallel_for. An exception in a chunk is
+// rethrown here, after every chunk has finished.
 template <typename F>
 void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
   if (begin >= end) return;
   const int64_t range = end - begin;
-  const int64_t min_chunk = std::max<int64_t>(grain, 1);
-  int64_t threads = 1;
-  if (range > min_chunk && !in_parallel_region && !omp_in_parallel()) {
-    threads = get_num_threads();
-  }
-  if (threads <= 1) {
+  if (range <= grain || range <= 1 || in_parallel_region || omp_in_parallel() || get_num_threads() == 1) {
     const bool outer = in_parallel_region;
     in_parallel_region = true;
     try {
@@ -405,28 +391,24 @@ void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
     in_parallel_region = outer;
     return;
   }
-  // As torch's split: no more chunks than grains (ceil(range / grain)), evenly sized.
-  int64_t chunks = std::min((range + min_chunk - 1) / min_chunk, threads * kChunksPerThread);
-  const int64_t chunk = (range + chunks - 1) / chunks;
-  chunks = (range + chunk - 1) / chunk;
-  threads = std::min(threads, chunks);
-  std::atomic<int64_t> next{0};
+  int64_t threads = get_num_threads();
+  if (grain > 0) threads = std::min<int64_t>(threads, (range + grain - 1) / grain);
   std::exception_ptr error;
 #pragma omp parallel num_threads(static_cast<int>(threads))
   {
-    in_parallel_region = true;
-    for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= chunks) break;
-      const int64_t first = begin + c * chunk;
+    const int64_t team = omp_get_num_threads(), tid = omp_get_thread_num();
+    const int64_t chunk = (range + team - 1) / team;
+    const int64_t first = begin + tid * chunk;
+    if (first < end) {
+      in_parallel_region = true;
       try {
         f(first, std::min(end, first + chunk));
       } catch (...) {
 #pragma omp critical(pagedlm_parallel_for_error)
         if (!error) error = std::current_exception();
       }
+      in_parallel_region = false;
     }
-    in_parallel_region = false;
   }
   if (error) std::rethrow_exception(error);
 }

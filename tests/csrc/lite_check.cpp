@@ -3,8 +3,6 @@
 // errors, and the binding layer's argument and result conversions.
 #include "lite_bind.h"
 
-#include <algorithm>
-
 namespace {
 
 template <typename T>
@@ -54,25 +52,26 @@ std::vector<int64_t> view_strides(torch::Tensor x, int64_t dim, int64_t start, i
   return out;
 }
 
-// Every chunk parallel_for(begin, end, grain) hands out, as ((first, last), thread) in
-// order of first; with `throw_at` inside a chunk, that chunk throws.
-std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> chunks(int64_t begin, int64_t end,
-                                                                   int64_t grain, int64_t throw_at,
-                                                                   bool nested) {
-  std::vector<std::pair<std::pair<int64_t, int64_t>, int64_t>> seen;
+// Every chunk parallel_for(begin, end, grain) hands out, as [first, last) pairs in order,
+// and how many threads ran them; with `throw_at` inside a chunk, that chunk throws.
+std::vector<std::pair<int64_t, int64_t>> chunks(int64_t begin, int64_t end, int64_t grain,
+                                                int64_t throw_at, bool nested) {
+  std::vector<std::pair<int64_t, int64_t>> seen(64, {-1, -1});
   at::parallel_for(begin, end, grain, [&](int64_t first, int64_t last) {
     if (first <= throw_at && throw_at < last) TORCH_CHECK(false, "chunk ", first, " failed");
-    const int64_t tid = omp_get_thread_num();
+    const int tid = omp_get_thread_num();
     if (nested) {  // a parallel_for inside one runs serially, in one chunk
       int calls = 0;
       at::parallel_for(0, 1000, 1, [&](int64_t, int64_t) { ++calls; });
       TORCH_CHECK(calls == 1, "a nested parallel_for split its range");
     }
-#pragma omp critical(lite_check_chunks)
-    seen.push_back({{first, last}, tid});
+    seen[tid] = {first, last};
   });
-  std::sort(seen.begin(), seen.end());
-  return seen;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (auto& c : seen) {
+    if (c.first >= 0) out.push_back(c);
+  }
+  return out;
 }
 
 int64_t threads() { return at::get_num_threads(); }
