@@ -23,6 +23,8 @@ import subprocess
 import sys
 import time
 
+import psutil
+
 BURNER = """
 import sys, time
 busy, idle = float(sys.argv[1]) / 1e3, float(sys.argv[2]) / 1e3
@@ -85,10 +87,9 @@ def main() -> None:
 
 
 def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process so far (Linux)."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """User + system CPU seconds of a process so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
 
 
 if __name__ == "__main__":
