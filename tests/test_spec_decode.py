@@ -93,6 +93,7 @@ def _request(tokens: list[int], request_id: str = "r") -> Request:
 
 def test_ngram_proposes_what_followed_the_most_recent_occurrence():
     proposer = NgramProposer(SpeculativeConfig(**{**NGRAM, "prompt_lookup_min": 2}), 8)
+    proposer.match_slack = None  # as many drafts as k, however short the match
     r = _request([1, 2, 3, 9, 1, 2, 3, 4, 5, 6, 7, 1, 2, 3])
     proposer.propose([r])
     assert r.spec_token_ids == [4, 5, 6, 7]  # after "1 2 3" at 4..6, not at 0..2
@@ -104,8 +105,40 @@ def test_ngram_proposes_what_followed_the_most_recent_occurrence():
     assert r3.spec_token_ids == [7, 8]  # the continuation ends where the sequence does
 
 
+def test_drafts_follow_the_length_of_the_match():
+    config = SpeculativeConfig(**{**NGRAM, "num_speculative_tokens": 6, "prompt_lookup_min": 2})
+    proposer = NgramProposer(config, 8)
+    # "1 2 3" matches at 4..6, and the token before agrees too (8 and 8): a match of 4
+    # tokens, so at most 3 drafts.
+    r = _request([8, 1, 2, 3, 5, 6, 9, 8, 1, 2, 3, 4, 5, 6, 7, 0, 0, 8, 1, 2, 3])
+    proposer.propose([r])
+    assert r.spec_token_ids == [4, 5, 6]
+    # Only the 2-gram itself agrees: one draft.
+    r2 = _request([4, 1, 2, 7, 7, 7, 5, 1, 2], "r2")
+    proposer.propose([r2])
+    assert r2.spec_token_ids == [7]
+    # A long copy: the match reaches the start, far more than k + 1 tokens: all k drafts.
+    passage = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+    r3 = _request(passage + [0] + passage[:9], "r3")
+    proposer.propose([r3])
+    assert r3.spec_token_ids == passage[9:] + [0] + passage[:2]  # 6 drafts
+    # The match ends at the start of the sequence: 4 tokens (the 3-gram and the 3), 3 drafts.
+    r4 = _request([3, 4, 5, 6, 9, 3, 4, 5, 6], "r4")
+    proposer.propose([r4])
+    assert r4.spec_token_ids == [9, 3, 4]
+    # match_slack 2: at most m - 2, at least one.
+    proposer.match_slack = 2
+    r5 = _request([8, 1, 2, 3, 5, 6, 9, 8, 1, 2, 3], "r5")
+    proposer.propose([r5])
+    assert r5.spec_token_ids == [5, 6]
+    r6 = _request([4, 1, 2, 7, 7, 7, 5, 1, 2], "r6")
+    proposer.propose([r6])
+    assert r6.spec_token_ids == [7]
+
+
 def test_index_grows_with_the_sequence():
     proposer = NgramProposer(SpeculativeConfig(**{**NGRAM, "prompt_lookup_min": 2}), 8)
+    proposer.match_slack = None
     r = _request([5, 6, 1, 2])
     proposer.propose([r])
     assert r.spec_token_ids == []
@@ -118,6 +151,7 @@ def test_index_grows_with_the_sequence():
 
 def test_back_off_per_request_and_per_batch():
     proposer = NgramProposer(SpeculativeConfig(**NGRAM), 8)
+    proposer.match_slack = None  # the count alone decides
     tokens = [1, 2, 3, 1, 2, 3, 1, 2]
     r = _request(tokens)
     proposer.propose([r])

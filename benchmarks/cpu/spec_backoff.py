@@ -6,7 +6,8 @@ setting, in an order that rotates per request (so that a VM speeding up or slowi
 favours none). Greedy outputs must be equal across all engines.
 
 A setting is NAME=ATTR:VALUE[,ATTR:VALUE...] over the proposer's attributes
-(engine/spec_decode.py: `rest_steps`, `partial_extra` with `none` for None, `max_rest_steps`);
+(engine/spec_decode.py: `rest_steps`, `partial_extra` with `none` for None, `max_rest_steps`,
+`match_slack`, `miss_rests`) or `num_speculative_tokens` (the engine's config);
 "current" (the defaults) always runs. Prints, per workload and seed, each setting's
 speed-up over the engine without speculation: whole request and after the first token.
 
@@ -49,7 +50,8 @@ def main() -> None:
     spec = {**DEFAULT_SPEC, "num_speculative_tokens": args.num_speculative_tokens}
     engines = {"off": LLM(**kwargs)}
     for name, attrs in [("current", {})] + [parse_setting(s) for s in args.setting]:
-        engines[name] = LLM(**kwargs, speculative_config=spec)
+        drafts = attrs.pop("num_speculative_tokens", spec["num_speculative_tokens"])
+        engines[name] = LLM(**kwargs, speculative_config={**spec, "num_speculative_tokens": drafts})
         proposer = engines[name].llm_engine.core.proposer
         for attr, value in attrs.items():
             if not hasattr(proposer, attr):

@@ -10,7 +10,14 @@ Proposer "ngram" (prompt lookup): the last n tokens of a sequence, n from
 prompt_lookup_max down to prompt_lookup_min, are looked up earlier in the sequence (its
 prompt and its output); the tokens that followed their most recent earlier occurrence are
 the drafts. Each sequence keeps an index of its n-grams, grown as tokens arrive: a lookup
-costs O(1), whatever the context length.
+costs O(1), whatever the context length. How many drafts follows from how long the match
+is: the n-gram and the tokens before it that also agree with those before the earlier
+occurrence, m in all, give at most m - 1 drafts. A sequence that is copying a passage
+matches far back and gets all k; a chance match of two tokens gets one. On the repeating
+ShareGPT turns (README, Speculative decoding), a draft after a 2-token match was accepted
+in 56% of verifications and the fourth in 25%, while after a match of 24 or more nearly
+every one of 10 drafts was: with the cap, 15 drafts beat 6 without it, where 15 without it
+lose to 6 (rows past the first rejection cost a CPU real compute).
 
 Backing off, so that speculation never costs more than it saves:
   * per sequence, the number of drafts adapts to what was accepted: all accepted, one
@@ -177,6 +184,9 @@ class Proposer:
 class NgramProposer(Proposer):
     rest_steps = NGRAM_REST_STEPS
     partial_extra = None
+    # After a match of m tokens (the looked-up n-gram and as many tokens before it as also
+    # agree), at most m - match_slack drafts (at least one); None: no such cap.
+    match_slack: int | None = 1
 
     def __init__(self, config: SpeculativeConfig, default_max_batch: int) -> None:
         super().__init__(config, default_max_batch)
@@ -201,5 +211,11 @@ class NgramProposer(Proposer):
         for n in range(min(n_max, length), n_min - 1, -1):
             after = index.get(tuple(tokens[length - n:]))
             if after is not None:
+                if self.match_slack is not None:
+                    # How far back the match goes, as far as k drafts could use it.
+                    m, limit = n, min(after, k + self.match_slack)
+                    while m < limit and tokens[after - 1 - m] == tokens[length - 1 - m]:
+                        m += 1
+                    k = min(k, max(1, m - self.match_slack))
                 return tokens[after:after + k]
         return []
