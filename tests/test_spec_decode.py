@@ -475,7 +475,7 @@ def test_bench_spec_decode_runs(tmp_path):
                     for p in throughput["pairs"])
     assert throughput["ratio_min"] == ratios[0] and throughput["ratio_max"] == ratios[1]
     assert ratios[0] <= throughput["ratio_on_over_off"] <= ratios[1]
-    assert report["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 6}
+    assert report["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 15}
 
 
 def test_draft_proposer_goes_dormant_when_drafts_fail_and_probes():

@@ -171,7 +171,7 @@ def add_bench_parser(subparsers: Any) -> None:
 
     sd = sub.add_parser("spec-decode", help="speculative decoding against the same engine "
                                             "without it: batch-1 latency and throughput")
-    add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 6 drafts)
+    add_engine_args(sd)  # --speculative-config: the "on" engine's (default n-gram, 15 drafts)
     sd.add_argument("--num-prompts", type=int, default=16,
                     help="requests per batch-1 workload (default %(default)s)")
     sd.add_argument("--max-output-len", type=int, default=SPEC_DECODE_MAX_OUTPUT_LEN,

@@ -1,7 +1,7 @@
 """`pagedlm bench spec-decode`: what speculative decoding buys, against the same engine
 without it, in one run.
 
-Two engines with the same options, one with `--speculative-config` (default n-gram, 6
+Two engines with the same options, one with `--speculative-config` (default n-gram, 15
 drafts), take the same requests:
 
   * batch-1 latency on two ShareGPT workloads, one request at a time, greedy, each
@@ -42,7 +42,7 @@ from pagedlm.benchmarks.datasets import (
 from pagedlm.benchmarks.throughput import run_pagedlm
 from pagedlm.entrypoints.cli_args import engine_kwargs
 
-DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 6}
+DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 15}
 REPEAT_MIN_SHARE = 0.5  # of the reply's word 6-grams found in the prompt
 MIN_REPLY_TOKENS = 32
 
