@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser, positional_model: bool = True) -
     g.add_argument("--max-num-seqs", type=int, default=256,
                    help="most sequences decoding at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="most tokens one step computes (default: CPU 2048, GPU 8192)")
+                   help="most tokens one step computes (default: CPU 512, GPU 8192)")
     g.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None,
                    help="prompt tokens a step may compute while requests are decoding, so "
                         "no stream waits behind a whole long prompt (default: CPU 64, GPU "
