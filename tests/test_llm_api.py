@@ -175,3 +175,33 @@ def test_offline_prompts_are_not_spread_next_to_decodes(tiny_llama_dir):
     served = LLMEngine(EngineArgs(model=tiny_llama_dir, **opts))
     assert served.scheduler.config.max_prefill_tokens_with_decodes == DEFAULT_CPU_PREFILL_WITH_DECODES
     assert computed_in_one_step(served) == DEFAULT_CPU_PREFILL_WITH_DECODES
+
+
+
+def test_step_token_budget_defaults(tiny_llama_dir):
+    """On CPU a step batches 512 tokens unless told otherwise, and a longer prompt is
+    prefilled in chunks of that size; with chunked prefill off the budget grows to the
+    context (a whole prompt must fit one step) instead of refusing to start."""
+    from pagedlm.config import EngineArgs
+    from pagedlm.engine.core_sizing import DEFAULT_CPU_BATCHED_TOKENS, max_num_batched_tokens
+
+    assert DEFAULT_CPU_BATCHED_TOKENS == 512
+    assert max_num_batched_tokens(EngineArgs(), "cpu", 8192) == 512
+    assert max_num_batched_tokens(EngineArgs(), "cuda", 8192) == 8192
+    assert max_num_batched_tokens(EngineArgs(max_num_batched_tokens=64), "cpu", 8192) == 64
+    off = EngineArgs(enable_chunked_prefill=False)
+    assert max_num_batched_tokens(off, "cpu", 8192) == 8192
+    assert max_num_batched_tokens(EngineArgs(enable_chunked_prefill=False, max_model_len=3000),
+                                  "cpu", 8192) == 3000
+    assert max_num_batched_tokens(off, "cpu", 100) == 512
+    assert max_num_batched_tokens(EngineArgs(enable_chunked_prefill=False, max_num_batched_tokens=64),
+                                  "cpu", 8192) == 64  # the user's, refused later if too small
+
+    # An engine: a prompt longer than the budget takes several steps.
+    opts = dict(skip_tokenizer_init=True, block_size=4, kv_cache_memory=1 << 23, max_model_len=512)
+    engine = LLM(tiny_llama_dir, max_num_batched_tokens=128, **opts).llm_engine
+    engine.add_request("long", None, SamplingParams(max_tokens=1, ignore_eos=True),
+                       prompt_token_ids=list(range(1, 301)))
+    engine.step()
+    assert engine.scheduler.requests["long"].num_computed_tokens == 128
+    assert LLM(tiny_llama_dir, **opts).llm_engine.scheduler.config.max_num_batched_tokens == 512

@@ -80,7 +80,7 @@ class EngineCore:
         spec = self.model_executor.worker_spec()
         self.device, self.dtype = spec.device, spec.dtype
         self.spec = spec
-        max_batched = max_num_batched_tokens(args, self.device.type)
+        max_batched = max_num_batched_tokens(args, self.device.type, max_len)
         num_blocks = profile_num_blocks(self.model_executor, spec, max_batched,
                                         args.max_model_len or max_len)
         self.kv_cache_manager = KVCacheManager(num_blocks, spec.block_size,

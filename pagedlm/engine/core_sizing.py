@@ -41,9 +41,15 @@ DEFAULT_CPU_BATCHED_TOKENS = 512
 DEFAULT_GPU_BATCHED_TOKENS = 8192
 
 
-def max_num_batched_tokens(args: EngineArgs, device_type: str) -> int:
-    return args.max_num_batched_tokens or (
-        DEFAULT_CPU_BATCHED_TOKENS if device_type == "cpu" else DEFAULT_GPU_BATCHED_TOKENS)
+def max_num_batched_tokens(args: EngineArgs, device_type: str, model_max: int) -> int:
+    """The step's token budget: the user's, else the device's default; with chunked prefill
+    off, at least the context (a whole prompt must fit one step)."""
+    if args.max_num_batched_tokens:
+        return args.max_num_batched_tokens
+    default = DEFAULT_CPU_BATCHED_TOKENS if device_type == "cpu" else DEFAULT_GPU_BATCHED_TOKENS
+    if not args.enable_chunked_prefill:
+        return max(default, args.max_model_len or model_max)
+    return default
 
 
 def profile_num_blocks(executor: Executor, spec: WorkerSpec, max_batched: int,
