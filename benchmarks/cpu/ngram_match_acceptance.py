@@ -25,38 +25,30 @@ MAX_MATCH = 64
 BUCKETS = (2, 3, 4, 6, 8, 12, 16, 24, 32, MAX_MATCH)
 
 
-def match_length(tokens: list[int], after: int, n: int) -> int:
-    """How many tokens before position `after` agree with the sequence's last ones (at least
-    the n of the n-gram found there), up to MAX_MATCH."""
-    m, length = n, len(tokens)
-    while m < min(after, MAX_MATCH) and tokens[after - 1 - m] == tokens[length - 1 - m]:
-        m += 1
-    return m
-
-
 class LoggingProposer(NgramProposer):
-    """All k drafts after every match, and a log of (match length, drafts, accepted)."""
+    """All k drafts after every match, and a log of (match length, drafts, accepted).
+    Made from the engine's proposer (`adopt`), in the same state."""
 
     match_slack = None
+    pending: dict[str, int]
+    log: list[tuple[int, int, int]]
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.pending: dict[str, int] = {}
-        self.log: list[tuple[int, int, int]] = []
+    @classmethod
+    def adopt(cls, proposer: NgramProposer) -> "LoggingProposer":
+        new = cls.__new__(cls)
+        new.__dict__.update(proposer.__dict__)
+        new.pending, new.log = {}, []
+        return new
 
     def _draft(self, requests, counts) -> None:
         for request in requests:
             tokens = request.all_token_ids
-            drafts = self._lookup(self._seqs[request.request_id], tokens, self.k)
-            if not drafts:
+            match = self._match(self._seqs[request.request_id], tokens, MAX_MATCH)
+            if match is None:
                 continue
-            request.spec_token_ids = drafts
-            length = len(tokens)
-            for n in range(min(self.n_max, length), self.n_min - 1, -1):
-                after = self._seqs[request.request_id].index.get(tuple(tokens[length - n:]))
-                if after is not None:
-                    self.pending[request.request_id] = match_length(tokens, after, n)
-                    break
+            after, m = match
+            request.spec_token_ids = tokens[after:after + self.k]
+            self.pending[request.request_id] = m
 
     def record(self, spec, accepted) -> None:
         for seq_id, drafts in spec.items():
@@ -82,13 +74,8 @@ def main() -> None:
     llm = LLM(num_threads=args.num_threads, weight_dtype=args.weight_dtype,
               kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": k})
-    # The engine's proposer becomes a logging one in the same state.
     core = llm.llm_engine.core
-    old = core.proposer
-    proposer = LoggingProposer.__new__(LoggingProposer)
-    proposer.__dict__.update(old.__dict__)
-    proposer.pending, proposer.log = {}, []
-    core.proposer = proposer
+    proposer = core.proposer = LoggingProposer.adopt(core.proposer)
     tokenizer = llm.get_tokenizer()
     workloads = batch1_workloads(tokenizer, args.num_prompts, args.seed, MAX_OUTPUT_LEN,
                                  load_sharegpt_records())

@@ -7,7 +7,7 @@ favours none). Greedy outputs must be equal across all engines.
 
 A setting is NAME=ATTR:VALUE[,ATTR:VALUE...] over the proposer's attributes
 (engine/spec_decode.py: `rest_steps`, `partial_extra` with `none` for None, `max_rest_steps`,
-`match_slack`, `miss_rests`) or `num_speculative_tokens` (the engine's config);
+`match_slack`, `n_min`) or `num_speculative_tokens` (the engine's config);
 "current" (the defaults) always runs. Prints, per workload and seed, each setting's
 speed-up over the engine without speculation: whole request and after the first token.
 

@@ -199,6 +199,20 @@ class NgramProposer(Proposer):
                 request.spec_token_ids = drafts
 
     def _lookup(self, state: _SeqState, tokens: list[int], k: int) -> list[int]:
+        slack = self.match_slack
+        # The match is only followed as far back as k drafts could use it.
+        match = self._match(state, tokens, 0 if slack is None else k + slack)
+        if match is None:
+            return []
+        after, m = match
+        if slack is not None:
+            k = min(k, max(1, m - slack))
+        return tokens[after:after + k]
+
+    def _match(self, state: _SeqState, tokens: list[int], limit: int) -> tuple[int, int] | None:
+        """Where the sequence's suffix occurred last (the position after that occurrence)
+        and how long the match is: the n-gram found (n_max down to n_min tokens) and the
+        tokens before it that also agree, counted up to `limit`. None if no n-gram matches."""
         length = len(tokens)
         index = state.index
         n_min, n_max = self.n_min, self.n_max
@@ -211,11 +225,8 @@ class NgramProposer(Proposer):
         for n in range(min(n_max, length), n_min - 1, -1):
             after = index.get(tuple(tokens[length - n:]))
             if after is not None:
-                if self.match_slack is not None:
-                    # How far back the match goes, as far as k drafts could use it.
-                    m, limit = n, min(after, k + self.match_slack)
-                    while m < limit and tokens[after - 1 - m] == tokens[length - 1 - m]:
-                        m += 1
-                    k = min(k, max(1, m - self.match_slack))
-                return tokens[after:after + k]
-        return []
+                m, stop = n, min(after, limit)
+                while m < stop and tokens[after - 1 - m] == tokens[length - 1 - m]:
+                    m += 1
+                return after, m
+        return None
