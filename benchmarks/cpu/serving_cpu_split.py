@@ -4,7 +4,9 @@ process, its engine core process and the load client during one `pagedlm bench s
 EOS ignored), with the run's output tok/s and TPOT.
 
 usage: python benchmarks/cpu/serving_cpu_split.py LABEL [--request-rate inf]
-           [--frontend-nice N] [--client-nice N] [--env KEY=VALUE ...]
+           [--frontend-nice N] [--client-nice N] [--env KEY=VALUE ...] [--out-dir DIR]
+(the run's JSON and the server's log go to DIR/cpu_split_LABEL.{json,log}; DIR defaults to
+benchmarks/results/tmp/, which git ignores: the log holds this machine's paths)
 (--frontend-nice sets PAGEDLM_FRONTEND_NICE for the server; --env sets any variable in the
 server's environment, e.g. GOMP_SPINCOUNT=0; the client's figure covers its whole life,
 dataset tokenisation included.) To compare two revisions, run it from each checkout, taking
@@ -56,7 +58,9 @@ def main() -> None:
     parser.add_argument("--frontend-nice", type=int, default=None)
     parser.add_argument("--client-nice", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results", "tmp"))
     args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
     env = dict(os.environ)
     env.update(item.split("=", 1) for item in args.env)
     if args.frontend_nice is not None:
@@ -66,7 +70,7 @@ def main() -> None:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cli = [sys.executable, "-m", "pagedlm.entrypoints.cli"]
-    log = open(f"cpu_split_{args.label}.log", "wb")
+    log = open(os.path.join(args.out_dir, f"cpu_split_{args.label}.log"), "wb")
     server = subprocess.Popen([*cli, "serve", "--host", "127.0.0.1", "--port", str(port),
                                "--weight-dtype", "q8", "--kv-cache-dtype", "float16", "--seed", "0",
                                "--uvicorn-log-level", "warning"],
@@ -87,7 +91,7 @@ def main() -> None:
                     if any("spawn_main" in part for part in c.cmdline()))
         front0, core0 = _cpu_s(frontend), _cpu_s(core)
         switches0 = _switches(core)
-        out = f"cpu_split_{args.label}.json"
+        out = os.path.join(args.out_dir, f"cpu_split_{args.label}.json")
         start = time.time()
         client = subprocess.Popen(
             ["nice", "-n", str(args.client_nice), *cli, "bench", "serving", "--base-url", url,
