@@ -2,7 +2,9 @@
 spec-decode` (batch 1, greedy, chat template) through a speculating engine, every decode
 step timed and bucketed by its rows (1: no drafts; k + 1: a verification of k drafts), with
 the C++ decoder's time per part of the layers for each bucket ("outside": the LM head,
-sampling and the step's host work).
+sampling and the step's host work), the bucket's mean context (tokens before the step's
+first row) and the attention's rate in GFLOP/s (QK and PV of every query head, each row
+against its context and the rows before it).
 
     python benchmarks/cpu/spec_step_profile.py [--num-prompts 16] [--seed 0]
         [--weight-dtype q8 --kv-cache-dtype float16] [--num-speculative-tokens 6]
@@ -39,6 +41,7 @@ def main() -> None:
     max_rows = args.num_speculative_tokens + 1
     seconds: dict[int, float] = collections.defaultdict(float)
     steps: collections.Counter[int] = collections.Counter()
+    context: collections.Counter[int] = collections.Counter()
     parts: dict[tuple[int, str], float] = collections.defaultdict(float)
     last: dict[str, float] = {}
     execute = runner.execute_model
@@ -52,6 +55,7 @@ def main() -> None:
         if rows <= max_rows:  # a decode step (prompts are longer)
             seconds[rows] += elapsed
             steps[rows] += 1
+            context[rows] += sum(sched.cached_reqs.num_computed_tokens)
             for name, value in now.items():
                 parts[(rows, name)] += value - last.get(name, 0.0)
         last.clear()
@@ -67,16 +71,24 @@ def main() -> None:
         llm.generate({"prompt_token_ids": chat_ids(tokenizer, r.prompt)},
                      SamplingParams(temperature=0, max_tokens=r.output_len), use_tqdm=False)
     names = sorted({name for _, name in parts}, key=lambda n: -parts[(1, n)])
+    config = llm.llm_engine.core.hf_config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    flop_per_key = 4 * heads * head_dim * config.num_hidden_layers  # QK and PV, every layer
     print(f"ms per decode step by rows ({args.num_prompts} repeating turns, weights "
           f"{args.weight_dtype}, KV cache {args.kv_cache_dtype})")
     print(f"{'rows':>4s} {'steps':>6s} {'step':>7s} " + " ".join(f"{n[:12]:>12s}" for n in names)
-          + f" {'outside':>8s}")
+          + f" {'outside':>8s} {'context':>8s} {'attn GFLOP/s':>12s}")
     for rows in sorted(steps):
         n = steps[rows]
         inside = sum(parts[(rows, name)] for name in names)
+        ctx = context[rows] / n
+        keys = rows * ctx + rows * (rows + 1) / 2  # each row's context and the rows to its own
+        attention = parts.get((rows, "attention"), 0.0) / n
+        rate = f"{flop_per_key * keys / attention / 1e9:12.1f}" if attention else f"{'-':>12s}"
         print(f"{rows:4d} {n:6d} {1e3 * seconds[rows] / n:7.2f} "
               + " ".join(f"{1e3 * parts[(rows, name)] / n:12.2f}" for name in names)
-              + f" {1e3 * (seconds[rows] - inside) / n:8.2f}")
+              + f" {1e3 * (seconds[rows] - inside) / n:8.2f} {ctx:8.0f} {rate}")
 
 
 if __name__ == "__main__":
