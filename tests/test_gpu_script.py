@@ -36,6 +36,7 @@ FAKE = {
     "correctness": {"graphs == eager": True, "cpu == hf": False},
     "matmul_tflops": 700.0, "copy_gbps": 3000.0,
     "decode_ms_per_token_graphs": 6.0, "decode_ms_per_token_eager": 12.0,
+    "decode_ms_per_token_graphs_runs": [6.5, 6.0, 5.9],
     "throughput": {"pagedlm_graphs": {"total_tokens_per_s": 9000.0},
                    "hf_static": {"total_tokens_per_s": 1500.0},
                    "hf_cb": {"total_tokens_per_s": 3000.0}},
@@ -65,6 +66,7 @@ def test_write_results_merges_and_renders(tmp_path):
     assert "| pagedlm_graphs | 9000.0 | 6.00 | 3.00 |" in md
     assert "| cpu == hf | **NO** |" in md and "5 passed" in md
     assert "ms/token" in md and "8.03 B" in md
+    assert "| batch-1 decode, graphs | 6 ms/token (" in md and "median of 6.5, 6, 5.9) |" in md
 
 
 def test_main_skips_without_cuda(capsys, tmp_path, monkeypatch):
@@ -107,7 +109,9 @@ def test_heavy_runs_work_on_cpu(tmp_path, monkeypatch, which):
 def test_decode_run_works_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setattr(run_all, "DEVICE", "cpu")
     model_dir = run_all.write_model_dir(tmp_path / "tiny", TINY_LLAMA)
-    assert run_all.child_decode(model_dir, eager=True, num_tokens=4)["ms_per_token"] > 0
+    r = run_all.child_decode(model_dir, eager=True, num_tokens=4, repeats=3)
+    assert len(r["ms_per_token_runs"]) == 3 and all(x > 0 for x in r["ms_per_token_runs"])
+    assert r["ms_per_token"] == sorted(r["ms_per_token_runs"])[1]
 
 
 def test_requests_file_shorter_than_asked_is_refused(tmp_path):

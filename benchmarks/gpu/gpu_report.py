@@ -85,8 +85,10 @@ def render_markdown(m: dict[str, Any], s: dict[str, Any]) -> str:
               f"| decode floor (weights / bandwidth) | {_fmt(s.get('decode_floor_ms'))} ms |"]
     for mode in ("graphs", "eager"):
         ms = m.get(f"decode_ms_per_token_{mode}")
+        runs = m.get(f"decode_ms_per_token_{mode}_runs")
+        each = f"; median of {', '.join(_fmt(x) for x in runs)}" if runs else ""
         lines.append(f"| batch-1 decode, {mode} | {_fmt(ms)} ms/token "
-                     f"({_fmt(s.get(f'decode_{mode}_vs_floor'))} x floor) |")
+                     f"({_fmt(s.get(f'decode_{mode}_vs_floor'))} x floor{each}) |")
     lines.append(f"| compute ceiling (2 x params FLOPs/token) | "
                  f"{_fmt(s.get('ceiling_tokens_per_s'))} tokens/s |")
     if s.get("throughput"):
