@@ -4,6 +4,7 @@ measurements (matmul rate, copy bandwidth), plus the model directory every run l
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from pagedlm import LLM, SamplingParams
+    from pagedlm.layers.triton_ops import ENV as LAYER_OPS_ENV
 
     torch.manual_seed(0)
     tiny_cfg = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -59,8 +61,8 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
     prompts = [[(5 * i + j) % 500 + 1 for j in range(n)] for i, n in enumerate([3, 11, 24, 7])]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
-    def greedy(model_dir: str, **kw: Any) -> list[list[int]]:
-        llm = LLM(model_dir, skip_tokenizer_init=True, dtype="float32", block_size=4,
+    def greedy(model_dir: str, dtype: str = "float32", **kw: Any) -> list[list[int]]:
+        llm = LLM(model_dir, skip_tokenizer_init=True, dtype=dtype, block_size=4,
                   kv_cache_memory=1 << 24, max_model_len=256, max_num_seqs=8, **kw)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return [o.outputs[0].token_ids for o in outs]
@@ -95,4 +97,17 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
         got = greedy(dummy, device="cuda", attention_backend="triton", load_format="dummy",
                      enforce_eager=eager)
         res[f"dummy weights: CUDA triton, {mode} == CUDA torch path"] = got == ref
+    # The element-wise layers' Triton kernels (layers/triton_ops.py, off by default).
+    bf16 = greedy(dummy, dtype="bfloat16", device="cuda", attention_backend="triton",
+                  load_format="dummy")
+    os.environ[LAYER_OPS_ENV] = "1"
+    try:
+        got = greedy(str(tiny), device="cuda", attention_backend="triton")
+        res["tiny HF model: CUDA triton, CUDA graphs, Triton layer ops == HF transformers"] = (
+            got == hf_tokens)
+        got = greedy(dummy, dtype="bfloat16", device="cuda", attention_backend="triton",
+                     load_format="dummy")
+        res["dummy weights, bf16: CUDA graphs, Triton layer ops == torch layer ops"] = got == bf16
+    finally:
+        os.environ.pop(LAYER_OPS_ENV, None)
     return res

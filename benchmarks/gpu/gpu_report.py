@@ -29,13 +29,18 @@ def llama_num_params(cfg: dict[str, Any]) -> int:
     return cfg["num_hidden_layers"] * per_layer + embed + h
 
 
+# The decode phase's engines: CUDA graphs, eager, and CUDA graphs with the element-wise
+# layers' Triton kernels (layers/triton_ops.py, PAGEDLM_TRITON_LAYER_OPS=1).
+DECODE_MODES = ("graphs", "eager", "graphs_layer_ops")
+
+
 def summarize(m: dict[str, Any], cfg: dict[str, Any] = LLAMA3_8B) -> dict[str, Any]:
     """Ratios against the hardware: decode vs the bandwidth floor, throughput vs compute."""
     params = llama_num_params(cfg)
     s: dict[str, Any] = {"params": params, "weight_bytes": 2 * params}
     if "copy_gbps" in m:
         s["decode_floor_ms"] = s["weight_bytes"] / (m["copy_gbps"] * 1e9) * 1e3
-        for mode in ("graphs", "eager"):
+        for mode in DECODE_MODES:
             ms = m.get(f"decode_ms_per_token_{mode}")
             if ms is not None:
                 s[f"decode_{mode}_vs_floor"] = ms / s["decode_floor_ms"]
@@ -83,8 +88,10 @@ def render_markdown(m: dict[str, Any], s: dict[str, Any]) -> str:
               f"| bf16 matmul | {_fmt(m.get('matmul_tflops'))} TFLOP/s |",
               f"| device copy bandwidth | {_fmt(m.get('copy_gbps'))} GB/s |",
               f"| decode floor (weights / bandwidth) | {_fmt(s.get('decode_floor_ms'))} ms |"]
-    for mode in ("graphs", "eager"):
+    for mode in DECODE_MODES:
         ms = m.get(f"decode_ms_per_token_{mode}")
+        if ms is None and mode not in ("graphs", "eager"):
+            continue  # a mode this run did not measure
         runs = m.get(f"decode_ms_per_token_{mode}_runs")
         each = f"; median of {', '.join(_fmt(x) for x in runs)}" if runs else ""
         lines.append(f"| batch-1 decode, {mode} | {_fmt(ms)} ms/token "

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_checks import check_correctness, measure_micro, write_model_dir  # noqa: E402
 from gpu_report import (  # noqa: E402
+    DECODE_MODES,
     LLAMA3_8B,
     llama_num_params,  # noqa: F401 - tests/test_gpu_script.py reads it as run_all.*
     render_markdown,
@@ -229,6 +230,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child is not None:  # one heavy run, in its own process; --out-dir is the model
         try:
             if args.child == "decode":
+                if args.child_arg == "graphs_layer_ops":
+                    from pagedlm.layers.triton_ops import ENV as LAYER_OPS_ENV
+
+                    os.environ[LAYER_OPS_ENV] = "1"
                 result = child_decode(args.out_dir, args.child_arg == "eager",
                                       args.decode_tokens)
             else:
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             return True
 
         def decode() -> None:
-            for mode in ("graphs", "eager"):
+            for mode in DECODE_MODES:
                 r = _run_child(args, "decode", mode, model_dir, deadline)
                 if not failed(f"decode {mode}", r):
                     save({f"decode_ms_per_token_{mode}": r["ms_per_token"],

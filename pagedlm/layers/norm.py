@@ -4,6 +4,7 @@ import torch
 from torch import nn
 
 from pagedlm.layers.cpu_ops import fused_ops
+from pagedlm.layers.triton_ops import triton_ops
 
 
 class RMSNorm(nn.Module):
@@ -22,6 +23,18 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        gpu = triton_ops(x)
+        if gpu is not None and (residual is None or residual.dtype == x.dtype):
+            shape = x.shape
+            x2 = x.reshape(-1, shape[-1])
+            res2 = None if residual is None else residual.reshape(-1, shape[-1])
+            out, res_out = gpu.rms_norm(x2 if x2.stride(-1) == 1 else x2.contiguous(),
+                                        self.weight, self.eps,
+                                        res2 if res2 is None or res2.stride(-1) == 1
+                                        else res2.contiguous())
+            if res_out is None:
+                return out.view(shape)
+            return out.view(shape), res_out.view(shape)
         ops = fused_ops(x)
         if ops is not None and self.weight.dtype == torch.float32:
             # The common case, [num_tokens, hidden] contiguous, skips reshape and view: at

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from pagedlm.layers.cpu_ops import fused_ops
+from pagedlm.layers.triton_ops import triton_ops
 
 # RoPE types whose frequencies do not depend on the sequence length.
 _STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "proportional")
@@ -98,6 +99,7 @@ class RotaryEmbedding(nn.Module):
         self._apply_rope = self._apply_full if rotary_dim == head_dim else self._apply_partial
         # The fused CPU kernel rotates rotate-half pairs over the whole head.
         self._fusable = not interleaved and rotary_dim == head_dim and dtype == torch.float32
+        self.interleaved = interleaved
 
     def _apply_full(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + self._rotate(x) * sin
@@ -110,6 +112,15 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # query [num_tokens, num_heads, head_dim], key [num_tokens, num_kv_heads, head_dim]
+        gpu = triton_ops(query)
+        if gpu is not None and query.dim() == 3 and key.dim() == 3 \
+                and query.stride(-1) == 1 and key.stride(-1) == 1 \
+                and query.dtype == key.dtype == self.cos_cache.dtype:
+            positions = positions.contiguous()
+            return (gpu.rotary(positions, query, self.cos_cache, self.sin_cache, self.rotary_dim,
+                               self.interleaved),
+                    gpu.rotary(positions, key, self.cos_cache, self.sin_cache, self.rotary_dim,
+                               self.interleaved))
         ops = fused_ops(query) if self._fusable else None
         if ops is not None and query.stride(-1) == 1 and key.stride(-1) == 1 \
                 and key.dtype == torch.float32:
