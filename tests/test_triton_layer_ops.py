@@ -20,6 +20,7 @@ use_triton_interpreter()  # before triton is imported
 pytest.importorskip("triton")
 
 from pagedlm.layers import triton_layer_kernels as tlk  # noqa: E402
+from pagedlm.layers import triton_ops as triton_ops_module  # noqa: E402
 from pagedlm.layers.activation import SiluAndMul  # noqa: E402
 from pagedlm.layers.norm import RMSNorm  # noqa: E402
 from pagedlm.layers.rotary import RotaryEmbedding  # noqa: E402
@@ -27,6 +28,12 @@ from pagedlm.layers.triton_ops import ENV, triton_ops  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.fixture(autouse=True)
+def _kernels_take_cpu_tensors(monkeypatch):
+    """Without CUDA the layers hand their CPU tensors to the interpreted kernels."""
+    monkeypatch.setattr(triton_ops_module, "INTERPRETED_ON_CPU", DEVICE == "cpu")
 
 
 def _close(out: torch.Tensor, ref: torch.Tensor) -> None:

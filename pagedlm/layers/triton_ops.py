@@ -24,6 +24,10 @@ from types import ModuleType
 import torch
 
 ENV = "PAGEDLM_TRITON_LAYER_OPS"
+# CPU tensors take the kernels only in tests/test_triton_layer_ops.py, which sets this under
+# Triton's interpreter: a CPU layer call then returns at the first check, reading no
+# environment variable (the check runs on every layer call).
+INTERPRETED_ON_CPU = False
 
 
 @functools.cache
@@ -37,11 +41,9 @@ def _kernels() -> ModuleType | None:
 
 def triton_ops(x: torch.Tensor) -> ModuleType | None:
     """The kernels' module when `x` is on a CUDA device (or, under Triton's interpreter, a
-    test's CPU tensor) and PAGEDLM_TRITON_LAYER_OPS=1; else None: the layer runs its torch
-    reference."""
-    if os.environ.get(ENV) != "1":
-        return None
-    if x.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    test's CPU tensor: INTERPRETED_ON_CPU) and PAGEDLM_TRITON_LAYER_OPS=1; else None: the
+    layer runs its torch reference."""
+    if not (x.is_cuda or INTERPRETED_ON_CPU) or os.environ.get(ENV) != "1":
         return None
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         return None
