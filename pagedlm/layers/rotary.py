@@ -116,11 +116,8 @@ class RotaryEmbedding(nn.Module):
         if gpu is not None and query.dim() == 3 and key.dim() == 3 \
                 and query.stride(-1) == 1 and key.stride(-1) == 1 \
                 and query.dtype == key.dtype == self.cos_cache.dtype:
-            positions = positions.contiguous()
-            return (gpu.rotary(positions, query, self.cos_cache, self.sin_cache, self.rotary_dim,
-                               self.interleaved),
-                    gpu.rotary(positions, key, self.cos_cache, self.sin_cache, self.rotary_dim,
-                               self.interleaved))
+            return gpu.rotary(positions.contiguous(), query, key, self.cos_cache,
+                              self.sin_cache, self.rotary_dim, self.interleaved)
         ops = fused_ops(query) if self._fusable else None
         if ops is not None and query.stride(-1) == 1 and key.stride(-1) == 1 \
                 and key.dtype == torch.float32:

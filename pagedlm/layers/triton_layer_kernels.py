@@ -72,16 +72,23 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, head_dim, rotary_dim,
-                   x_tok_stride, x_head_stride, out_tok_stride, out_head_stride, cache_stride,
+def _rotary_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cos_ptr, sin_ptr, num_q_heads,
+                   head_dim, rotary_dim, q_tok_stride, q_head_stride, k_tok_stride,
+                   k_head_stride, q_out_tok_stride, k_out_tok_stride, cache_stride,
                    INTERLEAVED: tl.constexpr, BLOCK: tl.constexpr):
+    # One program per token and head, the query's heads first, then the key's.
     tok = tl.program_id(0)
     head = tl.program_id(1)
+    if head < num_q_heads:
+        src = q_ptr + tok * q_tok_stride + head * q_head_stride
+        dst = q_out_ptr + tok * q_out_tok_stride + head * head_dim
+    else:
+        src = k_ptr + tok * k_tok_stride + (head - num_q_heads) * k_head_stride
+        dst = k_out_ptr + tok * k_out_tok_stride + (head - num_q_heads) * head_dim
     dims = tl.arange(0, BLOCK)
     in_head = dims < head_dim
     rot = dims < rotary_dim
     pos = tl.load(pos_ptr + tok)
-    src = x_ptr + tok * x_tok_stride + head * x_head_stride
     x = tl.load(src + dims, mask=in_head, other=0.0)
     half = rotary_dim // 2
     if INTERLEAVED:  # pairs (2i, 2i + 1): rotated = (-x[2i + 1], x[2i])
@@ -98,19 +105,24 @@ def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, num_heads, head_di
     b = ((other.to(tl.float32) * sign) * sin.to(tl.float32)).to(x.dtype)
     y = (a.to(tl.float32) + b.to(tl.float32)).to(x.dtype)
     y = tl.where(rot, y, x)  # the dims past rotary_dim pass through
-    tl.store(out_ptr + tok * out_tok_stride + head * out_head_stride + dims, y, mask=in_head)
+    tl.store(dst + dims, y, mask=in_head)
 
 
-def rotary(positions: torch.Tensor, x: torch.Tensor, cos_cache: torch.Tensor,
-           sin_cache: torch.Tensor, rotary_dim: int, interleaved: bool) -> torch.Tensor:
-    """RoPE of `x` [num_tokens, num_heads, head_dim] (unit stride along head_dim) at
-    `positions`, the first `rotary_dim` dims of each head rotated: a new contiguous tensor.
-    The caches are [max_position, rotary_dim] in x's dtype (RotaryEmbedding's)."""
-    tokens, heads, head_dim = x.shape
-    out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
-    if tokens and heads:
-        _rotary_kernel[(tokens, heads)](
-            x, out, positions, cos_cache, sin_cache, heads, head_dim, rotary_dim,
-            x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos_cache.stride(0),
+def rotary(positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor,
+           cos_cache: torch.Tensor, sin_cache: torch.Tensor, rotary_dim: int,
+           interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE of `query` [num_tokens, num_heads, head_dim] and `key` [num_tokens,
+    num_kv_heads, head_dim] (same dtype, unit stride along head_dim) at `positions`, the
+    first `rotary_dim` dims of each head rotated, in one launch: new contiguous tensors.
+    The caches are [max_position, rotary_dim] in their dtype (RotaryEmbedding's)."""
+    tokens, q_heads, head_dim = query.shape
+    k_heads = key.shape[1]
+    q_out = torch.empty((tokens, q_heads, head_dim), dtype=query.dtype, device=query.device)
+    k_out = torch.empty((tokens, k_heads, head_dim), dtype=key.dtype, device=key.device)
+    if tokens and q_heads + k_heads:
+        _rotary_kernel[(tokens, q_heads + k_heads)](
+            query, key, q_out, k_out, positions, cos_cache, sin_cache, q_heads, head_dim,
+            rotary_dim, query.stride(0), query.stride(1), key.stride(0), key.stride(1),
+            q_out.stride(0), k_out.stride(0), cos_cache.stride(0),
             INTERLEAVED=interleaved, BLOCK=triton.next_power_of_2(head_dim))
-    return out
+    return q_out, k_out
