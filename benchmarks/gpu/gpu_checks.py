@@ -100,6 +100,7 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
     # The element-wise layers' Triton kernels (layers/triton_ops.py, off by default).
     bf16 = greedy(dummy, dtype="bfloat16", device="cuda", attention_backend="triton",
                   load_format="dummy")
+    before = os.environ.get(LAYER_OPS_ENV)
     os.environ[LAYER_OPS_ENV] = "1"
     try:
         got = greedy(str(tiny), device="cuda", attention_backend="triton")
@@ -109,5 +110,8 @@ def check_correctness(tmp: Path) -> dict[str, bool]:
                      load_format="dummy")
         res["dummy weights, bf16: CUDA graphs, Triton layer ops == torch layer ops"] = got == bf16
     finally:
-        os.environ.pop(LAYER_OPS_ENV, None)
+        if before is None:
+            os.environ.pop(LAYER_OPS_ENV, None)
+        else:
+            os.environ[LAYER_OPS_ENV] = before
     return res
