@@ -12,63 +12,41 @@ import argparse
 
 from torch.utils.cpp_extension import load_inline
 
-SOURCE = r"""
-#include <omp.h>
-double fma_gflops(long iters, int threads) {
-#if defined(__AVX2__) && defined(__FMA__)
-  double start = omp_get_wtime();
-  #pragma omp parallel num_threads(threads)
-  {
-    for (long i = 0; i < iters; ++i) {
-      __asm__ volatile(
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm0\n vfmadd231ps %%ymm15, %%ymm14, %%ymm1\n"
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm2\n vfmadd231ps %%ymm15, %%ymm14, %%ymm3\n"
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm4\n vfmadd231ps %%ymm15, %%ymm14, %%ymm5\n"
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm6\n vfmadd231ps %%ymm15, %%ymm14, %%ymm7\n"
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm8\n vfmadd231ps %%ymm15, %%ymm14, %%ymm9\n"
-          "vfmadd231ps %%ymm15, %%ymm14, %%ymm10\n vfmadd231ps %%ymm15, %%ymm14, %%ymm11\n"
-          ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-              "xmm9", "xmm10", "xmm11");
-    }
-  }
-  // 12 FMAs x 8 lanes x 2 FLOP per iteration per thread
-  return threads * iters * 12.0 * 16.0 / (omp_get_wtime() - start) / 1e9;
-#else
-  return 0.0;
-#endif
-}
 
-double fma512_gflops(long iters, int threads) {
-#if defined(__AVX512F__)
+def _peak_function(name: str, guard: str, reg: str, lanes: int) -> str:
+    """C++ for `name`(iters, threads): GFLOP/s of 12 independent `lanes`-lane FMA chains in
+    registers `reg`0..11 on each thread, 0.0 where `guard` is not defined."""
+    fmas = "".join(f'"vfmadd231ps %%{reg}15, %%{reg}14, %%{reg}{i}\\n"\n' for i in range(12))
+    clobbers = ", ".join(f'"xmm{i}"' for i in range(12))
+    return f"""
+double {name}(long iters, int threads) {{
+#if {guard}
   double start = omp_get_wtime();
   #pragma omp parallel num_threads(threads)
-  {
-    for (long i = 0; i < iters; ++i) {
-      __asm__ volatile(
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm0\n vfmadd231ps %%zmm15, %%zmm14, %%zmm1\n"
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm2\n vfmadd231ps %%zmm15, %%zmm14, %%zmm3\n"
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm4\n vfmadd231ps %%zmm15, %%zmm14, %%zmm5\n"
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm6\n vfmadd231ps %%zmm15, %%zmm14, %%zmm7\n"
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm8\n vfmadd231ps %%zmm15, %%zmm14, %%zmm9\n"
-          "vfmadd231ps %%zmm15, %%zmm14, %%zmm10\n vfmadd231ps %%zmm15, %%zmm14, %%zmm11\n"
-          ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8",
-              "xmm9", "xmm10", "xmm11");
-    }
-  }
-  // 12 FMAs x 16 lanes x 2 FLOP per iteration per thread
-  return threads * iters * 12.0 * 32.0 / (omp_get_wtime() - start) / 1e9;
+  {{
+    for (long i = 0; i < iters; ++i) {{
+      __asm__ volatile({fmas} ::: {clobbers});
+    }}
+  }}
+  // 12 FMAs x {lanes} lanes x 2 FLOP per iteration per thread
+  return threads * iters * 12.0 * {2 * lanes}.0 / (omp_get_wtime() - start) / 1e9;
 #else
   return 0.0;
 #endif
-}
+}}
 """
+
+
+SOURCE = ("#include <omp.h>\n"
+          + _peak_function("fma_gflops", "defined(__AVX2__) && defined(__FMA__)", "ymm", 8)
+          + _peak_function("fma512_gflops", "defined(__AVX512F__)", "zmm", 16))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
-    mod = load_inline("pagedlm_fma_peak2", cpp_sources=SOURCE,
+    mod = load_inline("pagedlm_fma_peak3", cpp_sources=SOURCE,
                       functions=["fma_gflops", "fma512_gflops"],
                       extra_cflags=["-O2", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     for threads in sorted({1, args.threads}):
