@@ -150,3 +150,16 @@ def test_decode_profiler_works_on_cpu(tmp_path, monkeypatch):
     assert "mode eager, batch 1, 4 tokens per request" in text
     assert "wall per step:" in text and "execute_model" in text
     assert str(_PATH.parents[2]) not in text  # paths are relative to the repository
+
+
+def test_the_layer_ops_decode_row_appears_only_when_measured(tmp_path):
+    """The decode phase's third engine (CUDA graphs with the Triton layer kernels) gets its
+    ratio to the floor and its own row; a run without it shows no empty row for it."""
+    run_all.write_results(tmp_path / "without", dict(FAKE))
+    assert "graphs_layer_ops" not in (tmp_path / "without" / "results.md").read_text()
+    run_all.write_results(tmp_path / "with", {**FAKE, "decode_ms_per_token_graphs_layer_ops": 4.5})
+    summary = json.loads((tmp_path / "with" / "results.json").read_text())["summary"]
+    floor_ms = 2 * 8_030_261_248 / 3e12 * 1e3
+    assert summary["decode_graphs_layer_ops_vs_floor"] == pytest.approx(4.5 / floor_ms)
+    assert "| batch-1 decode, graphs_layer_ops | 4.5 ms/token (" in (
+        tmp_path / "with" / "results.md").read_text()
