@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import socket
 import time
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -86,12 +89,26 @@ def test_non_streaming_disconnect_aborts(server, http):
     aborted_before = _aborted(text)
     body = {"model": TINY_NAME, "messages": [{"role": "user", "content": "Go on forever."}],
             "max_completion_tokens": LONG, "ignore_eos": True}
-    try:
-        # The client gives up long before the reply is ready and closes the connection.
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=server.headers,
-                   timeout=httpx.Timeout(60, read=0.3))
-        raise AssertionError("the request finished before the client hung up")
-    except httpx.ReadTimeout:
-        pass
+    # The client sends the request, waits until the engine runs it, and closes the
+    # connection long before the reply is ready. (A fixed read timeout raced the tiny model,
+    # which can decode LONG tokens in less than 0.3 s on a fast machine.)
+    url = urlsplit(server.url)
+    payload = json.dumps(body).encode()
+    head = "".join(f"{k}: {v}\r\n" for k, v in {
+        "Host": url.netloc, "Content-Type": "application/json",
+        "Content-Length": str(len(payload)), **server.headers}.items())
+    with socket.create_connection((url.hostname, url.port), timeout=60) as sock:
+        sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\n{head}\r\n".encode() + payload)
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while metric_value(_metrics(http), "pagedlm:num_requests_running") == 0:
+            assert time.monotonic() < deadline, "the request never ran"
+            time.sleep(0.002)
+        sock.setblocking(False)
+        try:
+            reply = sock.recv(1)
+        except BlockingIOError:
+            reply = b""
+        if reply:
+            raise AssertionError("the request finished before the client hung up")
     text = _wait_idle(http, 0.0)
     assert _aborted(text) - aborted_before == 1
