@@ -4,6 +4,7 @@ with the process's user + system CPU time over the same span. Beside serving_cpu
 figures for the server, it says how much of the machine the offline run keeps busy.
 
     python benchmarks/cpu/offline_cpu.py [--num-prompts 64] [--num-threads 2]
+        [--max-prefill-tokens-with-decodes N]   (the server's bound; offline has none)
 """
 
 import argparse
@@ -24,8 +25,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--max-prefill-tokens-with-decodes", type=int, default=None)
     args = p.parse_args()
-    llm = LLM(num_threads=args.num_threads, weight_dtype="q8", kv_cache_dtype="float16")
+    llm = LLM(num_threads=args.num_threads, weight_dtype="q8", kv_cache_dtype="float16",
+              max_prefill_tokens_with_decodes=args.max_prefill_tokens_with_decodes)
     requests = sample_sharegpt(llm.get_tokenizer(), args.num_prompts, seed=0)
     generate, spans = llm.generate, []
 

@@ -5,6 +5,7 @@ EOS ignored), with the run's output tok/s and TPOT.
 
 usage: python benchmarks/cpu/serving_cpu_split.py LABEL [--request-rate inf]
            [--frontend-nice N] [--client-nice N] [--env KEY=VALUE ...] [--out-dir DIR]
+           [--serve-arg=--FLAG=VALUE ...]
 (the run's JSON and the server's log go to DIR/cpu_split_LABEL.{json,log}; DIR defaults to
 benchmarks/results/tmp/, which git ignores: the log holds this machine's paths)
 (--frontend-nice sets PAGEDLM_FRONTEND_NICE for the server; --env sets any variable in the
@@ -59,6 +60,8 @@ def main() -> None:
     parser.add_argument("--client-nice", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--out-dir", default=os.path.join("benchmarks", "results", "tmp"))
+    parser.add_argument("--serve-arg", action="append", default=[],
+                        help="an extra `pagedlm serve` argument (repeatable)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     env = dict(os.environ)
@@ -73,7 +76,7 @@ def main() -> None:
     log = open(os.path.join(args.out_dir, f"cpu_split_{args.label}.log"), "wb")
     server = subprocess.Popen([*cli, "serve", "--host", "127.0.0.1", "--port", str(port),
                                "--weight-dtype", "q8", "--kv-cache-dtype", "float16", "--seed", "0",
-                               "--uvicorn-log-level", "warning"],
+                               "--uvicorn-log-level", "warning", *args.serve_arg],
                               stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         for _ in range(1200):
@@ -116,10 +119,15 @@ def main() -> None:
         server.wait(30)
         log.close()
     r = json.load(open(out))["results"]
+    tokens = r["total_output_tokens"]
+    run_client = r.get("client_cpu_s")  # the client's own figure for the run alone
+    client_run = (f", client during the run {run_client:.2f} ({1e6 * run_client / tokens:.0f} "
+                  f"us/token)" if run_client is not None else "")
     print(f"{args.label}: {r['output_throughput']:.1f} output tok/s, TPOT p50/p99 "
           f"{r['tpot_ms']['p50']:.1f}/{r['tpot_ms']['p99']:.1f} ms; {wall:.1f} s, CPU-s: "
-          f"frontend {front_s:.1f}, core {core_s:.1f}, client >= {client_s:.1f}; core context "
-          f"switches {voluntary} voluntary, {involuntary} involuntary")
+          f"frontend {front_s:.2f} ({1e6 * front_s / tokens:.0f} us/token), core {core_s:.1f}, "
+          f"client >= {client_s:.1f}{client_run}; core context switches {voluntary} voluntary, "
+          f"{involuntary} involuntary")
 
 
 if __name__ == "__main__":
