@@ -23,7 +23,6 @@ raise, are engine/request_stream.py's.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import uuid
 from collections.abc import Callable
@@ -244,7 +243,7 @@ class AsyncLLMEngine:
         streams = self._streams
         for output in outputs:
             if output.metrics is not None:  # the frontend keeps updating its own copy
-                output.metrics = dataclasses.replace(output.metrics)
+                output.metrics = output.metrics.snapshot()
             for listener in self._listeners:
                 listener(output)
             stream = (streams.pop(output.request_id, None) if output.finished

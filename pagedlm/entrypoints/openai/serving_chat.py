@@ -46,6 +46,7 @@ from pagedlm.entrypoints.openai.request_params import (
 )
 from pagedlm.entrypoints.openai.serving import Serving
 from pagedlm.entrypoints.openai.sse import sse_event
+from pagedlm.entrypoints.openai.stream_chunks import TextChunkTemplate
 from pagedlm.entrypoints.openai.tool_parsers.formats import ToolCallFormat
 from pagedlm.entrypoints.openai.tool_parsers.parser import ToolCallParser
 from pagedlm.outputs import PositionLogprobs
@@ -252,6 +253,7 @@ class _Job:
         num_completion_tokens = 0
         parsers = ([ToolCallParser(self.tool_format) for _ in range(self.n)]
                    if self.tool_format is not None else None)
+        template = TextChunkTemplate("chat", self.request_id, self.created, self.model)
         # OpenAI opens every choice with the role, before any content.
         yield self._chunk([ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                            for i in range(self.n)])
@@ -271,6 +273,9 @@ class _Job:
                     continue  # text held back (maybe a stop string or a tool call)
                 if finish_reason is not None:
                     finished.add(c.index)
+                if calls is None and logprobs is None:
+                    yield template.event(c.index, text or None, finish_reason, c.stop_reason)
+                    continue
                 yield self._chunk([ChatChunkChoice(
                     index=c.index, delta=DeltaMessage(content=text or None, tool_calls=calls),
                     logprobs=logprobs, finish_reason=finish_reason,

@@ -35,6 +35,7 @@ from pagedlm.entrypoints.openai.request_params import (
 )
 from pagedlm.entrypoints.openai.serving import Serving
 from pagedlm.entrypoints.openai.sse import sse_event
+from pagedlm.entrypoints.openai.stream_chunks import TextChunkTemplate
 from pagedlm.outputs import PositionLogprobs, RequestOutput
 
 Prompt = tuple[str | None, list[int]]
@@ -171,6 +172,7 @@ class _Job:
         started: set[int] = set()
         finished: set[int] = set()
         num_completion_tokens = 0
+        template = TextChunkTemplate("completion", self.request_id, self.created, self.model)
         async for output in stream:
             p = stream.index_of[output.request_id]
             for c in output.outputs:
@@ -198,6 +200,9 @@ class _Job:
                 offsets[index] += len(text)
                 if c.finish_reason is not None:
                     finished.add(index)
+                if logprobs is None:
+                    yield template.event(index, text, c.finish_reason, c.stop_reason)
+                    continue
                 yield self._chunk([CompletionChoice(index=index, text=text, logprobs=logprobs,
                                                     finish_reason=c.finish_reason,
                                                     stop_reason=c.stop_reason)])
