@@ -180,7 +180,10 @@ class AsyncLLMEngine:
         assert not self._started, "the engine is already running"
         self._loop = loop or asyncio.get_running_loop()
         self._started = True
-        self.client.start(self._on_message_threadsafe)
+        if isinstance(self.client, ProcessCoreClient):
+            self.client.start(self._on_message, self._loop)  # read on the loop itself
+        else:
+            self.client.start(self._on_message_threadsafe)
 
     def shutdown(self) -> None:
         self.client.shutdown()
