@@ -38,6 +38,7 @@ Streaming guarantees
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -74,6 +75,21 @@ def _is_byte_piece(token: str | None) -> bool:
     )
 
 
+# Tokenizer -> the ids of its byte pieces, found once per tokenizer: the gate asks about
+# every generated token, and asking the tokenizer for each token's string cost more than
+# the rest of the detokenizer's step (a byte-level BPE such as SmolLM2's has none at all).
+_BYTE_PIECE_IDS: weakref.WeakKeyDictionary[Tokenizer, frozenset[int]] = weakref.WeakKeyDictionary()
+
+
+def _byte_piece_ids(backend: Tokenizer) -> frozenset[int]:
+    ids = _BYTE_PIECE_IDS.get(backend)
+    if ids is None:
+        ids = frozenset(i for token, i in backend.get_vocab(with_added_tokens=True).items()
+                        if _is_byte_piece(token))
+        _BYTE_PIECE_IDS[backend] = ids
+    return ids
+
+
 def _common_prefix_len(a: str, b: str) -> int:
     if a.startswith(b):
         return len(b)
@@ -88,16 +104,16 @@ class _ByteRunGate:
     """Tracks whether the decoder-visible tail of the token stream is an open run of
     ByteFallback pieces, whose decoded text may still change."""
 
-    def __init__(self, token_str: Callable[[int], str | None],
+    def __init__(self, is_byte_piece: Callable[[int], bool],
                  invisible: Callable[[int], bool] | None) -> None:
-        self._token_str = token_str
+        self._is_byte_piece = is_byte_piece
         # Tokens the decoder never sees (skipped specials) neither close nor extend a run.
         self._invisible = invisible
         self.open = False
 
     def feed(self, token_id: int) -> bool:
         """Advance by one token; returns whether a byte run is open after it."""
-        if _is_byte_piece(self._token_str(token_id)):
+        if self._is_byte_piece(token_id):
             self.open = True
         elif not (self.open and self._invisible is not None and self._invisible(token_id)):
             self.open = False
@@ -224,13 +240,13 @@ class _DecodeStreamStream:
         return text[_common_prefix_len(text, prefix):]
 
 
-def _context_start(prompt: Sequence[int], token_str: Callable[[int], str | None],
+def _context_start(prompt: Sequence[int], is_byte_piece: Callable[[int], bool],
                    invisible: Callable[[int], bool] | None) -> int:
     start = max(0, len(prompt) - _PROMPT_CONTEXT_TOKENS)
     # Starting inside a byte run (which skipped specials do not interrupt) would decode part
     # of that run on its own, and a run that is invalid as a whole may be valid in part.
     limit = max(0, start - _MAX_CONTEXT_WIDENING)
-    while start > limit and (_is_byte_piece(token_str(prompt[start]))
+    while start > limit and (is_byte_piece(prompt[start])
                              or (invisible is not None and invisible(prompt[start]))):
         start -= 1
     return start
@@ -241,7 +257,7 @@ def _make_stream(tokenizer: Any, prompt_token_ids: Sequence[int],
     backend = tokenizer if isinstance(tokenizer, Tokenizer) else getattr(
         tokenizer, "backend_tokenizer", None)
     if isinstance(backend, Tokenizer):
-        token_str: Callable[[int], str | None] = backend.id_to_token
+        is_byte_piece: Callable[[int], bool] = _byte_piece_ids(backend).__contains__
 
         def decode(ids: Sequence[int]) -> str:
             return backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -254,8 +270,8 @@ def _make_stream(tokenizer: Any, prompt_token_ids: Sequence[int],
         backend = None
         special = frozenset(getattr(tokenizer, "all_special_ids", ()))
 
-        def token_str(t: int) -> str | None:
-            return tokenizer.convert_ids_to_tokens(t)
+        def is_byte_piece(t: int) -> bool:
+            return _is_byte_piece(tokenizer.convert_ids_to_tokens(t))
 
         def decode(ids: Sequence[int]) -> str:
             if skip_special_tokens:
@@ -268,8 +284,8 @@ def _make_stream(tokenizer: Any, prompt_token_ids: Sequence[int],
             return t in special
 
     hidden = invisible if skip_special_tokens else None
-    gate = _ByteRunGate(token_str, hidden)
-    context = list(prompt_token_ids[_context_start(prompt_token_ids, token_str, hidden):])
+    gate = _ByteRunGate(is_byte_piece, hidden)
+    context = list(prompt_token_ids[_context_start(prompt_token_ids, is_byte_piece, hidden):])
     for t in context:
         gate.feed(t)
     if backend is not None and _USE_DECODE_STREAM and not gate.open:
