@@ -39,6 +39,27 @@ def parse_sse_line(line: str) -> dict[str, Any] | object | None:
     return data if isinstance(data, dict) else None
 
 
+def _read_lines(lines: list[bytes], now: float, chunk_times: list[float],
+                usage: dict[str, Any]) -> tuple[str | None, bool]:
+    """Record the events of `lines` that arrived at `now`: a chunk carrying text adds `now`
+    to `chunk_times`, a usage chunk fills `usage`. Returns an error event's text and
+    whether the stream ended ([DONE] or an error)."""
+    for raw in lines:
+        data = parse_sse_line(raw.decode("utf-8", "replace"))
+        if data is DONE:
+            return None, True
+        if not isinstance(data, dict):
+            continue
+        if "error" in data:
+            return _error_text(data), True
+        choices = data.get("choices") or []
+        if choices and choices[0].get("text"):
+            chunk_times.append(now)
+        if data.get("usage"):
+            usage.update(data["usage"])
+    return None, False
+
+
 def _error_text(data: dict[str, Any]) -> str:
     err = data.get("error")
     if isinstance(err, dict):
@@ -117,20 +138,18 @@ class CompletionsClient:
                     body = (await resp.read()).decode("utf-8", "replace")
                     error = f"HTTP {resp.status}: {body[:200]}"
                 else:
-                    async for raw in resp.content:  # one line at a time
-                        data = parse_sse_line(raw.decode("utf-8", "replace"))
-                        if data is DONE:
+                    # Whatever the socket has, then its complete lines: one await per read
+                    # rather than one per line (two per event), and the lines of one read
+                    # share the time they arrived.
+                    partial = b""
+                    async for received in resp.content.iter_any():
+                        lines = (partial + received).split(b"\n")
+                        partial = lines.pop()
+                        error, stop = _read_lines(lines, time.perf_counter(), chunk_times, usage)
+                        if stop:
                             break
-                        if not isinstance(data, dict):
-                            continue
-                        if "error" in data:
-                            error = _error_text(data)
-                            break
-                        choices = data.get("choices") or []
-                        if choices and choices[0].get("text"):
-                            chunk_times.append(time.perf_counter())
-                        if data.get("usage"):
-                            usage = data["usage"]
+                    else:  # a last line without its newline
+                        error, _ = _read_lines([partial], time.perf_counter(), chunk_times, usage)
         except (TimeoutError, aiohttp.ClientError) as e:
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
