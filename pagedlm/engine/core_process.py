@@ -91,8 +91,9 @@ class ProcessCoreClient:
 
         With a loop there is no thread to hand each step's message over, so no GIL to pass
         between two threads and no wake-up of the loop through its self-pipe: in a served
-        ShareGPT-64 run on the Zen 5 VM, the receiver thread and the self-pipe's reads held
-        the GIL in 7% of the frontend's samples (`py-spy record --gil`).
+        ShareGPT-64 run on the Zen 5 VM, the receiver thread held the GIL in 6.5% of the
+        frontend's samples and the self-pipe's reads in 2% (`benchmarks/cpu/
+        frontend_profile.py --gil`).
         """
         assert not self._threads, "already started"
         threads: list[tuple[Callable[..., None], str, tuple]] = [
