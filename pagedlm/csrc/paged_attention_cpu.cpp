@@ -59,6 +59,9 @@ constexpr int64_t kMaxRunRows = 16;
 // Tokens of a run's partition widened at a time: their K (or V) for the item's kv heads
 // stay in L1 while every row of the run uses them.
 constexpr int64_t kRunTile = 16;
+// Floats per kv head dim of a run's tile space: kRunTile widened tokens, or the keys of a
+// 32-key tile transposed (the keys-in-lanes kernels below).
+constexpr int64_t kRunTileFloats = 2 * kRunTile;
 
 // An item computes one partition of rows seq .. seq_end - 1: one row, or a run of rows that
 // read the same cache blocks from the same first key (a verification's k + 1 rows; see
@@ -305,6 +308,151 @@ inline void pv_heads_any(const float* p, int64_t n, const cache_t* const* toks, 
   pv_heads<NG, Lanes8>(p, n, toks, off, acc, head_dim, token_bytes);
 }
 
+// Keeps `v` in a register: reading float32, the compiler would otherwise fold its load
+// into every multiply-add that uses it, and reload the query vectors too.
+template <typename V>
+inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
+
+#if defined(PAGEDLM_TILED512)
+// Keys in lanes (AVX-512, head_dim % 16 == 0). qk_tile's scores each end in a sum across
+// the lanes of a register, and those reductions cost more than the multiply-adds. Here the
+// 16 keys of a tile are transposed to [head_dim][16] float32 (each row of it one dim of the
+// 16 keys), and q . k is a chain of 16-lane multiply-adds over d, each lane one key's score,
+// nothing left to reduce. A score's sum runs over d in four chains (d mod 4), added as
+// (c0 + c1) + (c2 + c3): the same operations whatever lane, tile or row computes it, so a
+// run's rows (run_item) still get their plain decode's scores bit for bit. A run transposes
+// a tile once for all its rows, where qk_tile's reductions were each row's own.
+constexpr int64_t kKeyLanes = 16;
+constexpr int64_t kKeyTile = 2 * kKeyLanes;  // keys per pass: each broadcast query value serves two
+
+// r[i] = row i of a 16 x 16 block of float32  ->  r[j] = its column j.
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved, 128 bits at a time
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int m = 0; m < 16; m += 4) {  // u[m + e], 128-bit lane L: column 4 L + e of rows m .. m + 3
+    r[m] = _mm512_shuffle_ps(t[m], t[m + 2], 0x44);
+    r[m + 1] = _mm512_shuffle_ps(t[m], t[m + 2], 0xEE);
+    r[m + 2] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0x44);
+    r[m + 3] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0xEE);
+  }
+  for (int e = 0; e < 4; ++e) {  // the 4 x 4 blocks of 128 bits of u[e], u[4 + e], u[8 + e], u[12 + e]
+    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
+    const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
+    const __m512 v2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
+    const __m512 v3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
+    t[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);       // column e
+    t[8 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);   // column 8 + e
+    t[4 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);   // column 4 + e
+    t[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);  // column 12 + e
+  }
+  for (int j = 0; j < 16; ++j) r[j] = t[j];
+}
+
+// kt[d * 16 + t] = (toks[t] + off)[d] as float32, d < head_dim, t < 16; tokens past
+// `count` repeat the last (their lanes are never stored).
+template <typename cache_t>
+inline void transpose_keys(const cache_t* const* toks, int64_t off, int count, int64_t head_dim,
+                           float* kt) {
+  const cache_t* r[kKeyLanes];
+  for (int t = 0; t < kKeyLanes; ++t) r[t] = toks[std::min(t, count - 1)] + off;
+  for (int64_t d0 = 0; d0 < head_dim; d0 += kKeyLanes) {
+    __m512 x[kKeyLanes];
+    for (int t = 0; t < kKeyLanes; ++t) x[t] = load16(r[t] + d0);
+    transpose16(x);
+    for (int j = 0; j < kKeyLanes; ++j) _mm512_store_ps(kt + (d0 + j) * kKeyLanes, x[j]);
+  }
+}
+
+// scores[g * n + t] = q_g . k_t for t < count (<= 16 KV), g < NG, from the KV transposed
+// tiles of 16 keys at kt, kt + 16 * head_dim, ... (64-byte aligned, as transpose_keys
+// writes them), in qk_tile's order (Lanes16): x_j = the chain of multiply-adds over
+// d = j, j + 16, j + 32, ..., y_j = x_j + x_{j+8}, score = ((y0 + y1) + (y2 + y3)) +
+// ((y4 + y5) + (y6 + y7)), which is what store_scores's lane sums add (to8, then hsum4).
+// Each x_j is a register of 16 keys here, and the sums are plain vector additions.
+template <int NG, int KV, int M = 0>
+inline void qk_keys(const float* q /*[NG, D]*/, const float* kt, int64_t head_dim, int count,
+                    float* scores, int64_t n) {
+  if constexpr (M > 0) head_dim = M * kKeyLanes;  // known when compiled: loops unrolled
+  const int64_t tile = head_dim * kKeyLanes;
+  __m512 lo[NG][KV], hi[NG][KV];  // (y0 + y1) + (y2 + y3), then (y4 + y5) + (y6 + y7)
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    __m512 y[NG][KV];  // y_{2i}, then y_{2i} + y_{2i+1}
+#pragma GCC unroll 2
+    for (int u = 0; u < 2; ++u) {
+      const int j = 2 * i + u;
+      __m512 x[2][NG][KV];  // x_j and x_{j+8}
+      for (int w = 0; w < 2; ++w)
+        for (int g = 0; g < NG; ++g)
+          for (int v = 0; v < KV; ++v) x[w][g][v] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += kKeyLanes) {
+        for (int w = 0; w < 2; ++w) {
+          const int64_t dim = d + j + 8 * w;
+          __m512 k[KV];
+          for (int v = 0; v < KV; ++v) {
+            k[v] = _mm512_load_ps(kt + v * tile + dim * kKeyLanes);
+            in_register(k[v]);
+          }
+          for (int g = 0; g < NG; ++g) {
+            __m512 qb = _mm512_set1_ps(q[g * head_dim + dim]);
+            if constexpr (KV > 1) in_register(qb);
+            for (int v = 0; v < KV; ++v) x[w][g][v] = _mm512_fmadd_ps(qb, k[v], x[w][g][v]);
+          }
+        }
+      }
+      for (int g = 0; g < NG; ++g) {
+        for (int v = 0; v < KV; ++v) {
+          const __m512 yj = _mm512_add_ps(x[0][g][v], x[1][g][v]);
+          y[g][v] = u == 0 ? yj : _mm512_add_ps(y[g][v], yj);
+        }
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      for (int v = 0; v < KV; ++v) {
+        if (i == 0) lo[g][v] = y[g][v];
+        if (i == 1) lo[g][v] = _mm512_add_ps(lo[g][v], y[g][v]);
+        if (i == 2) hi[g][v] = y[g][v];
+        if (i == 3) hi[g][v] = _mm512_add_ps(hi[g][v], y[g][v]);
+      }
+    }
+  }
+  for (int v = 0; v < KV; ++v) {
+    const int left = count - v * static_cast<int>(kKeyLanes);
+    if (left <= 0) break;
+    const __mmask16 keep = left >= kKeyLanes ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+    for (int g = 0; g < NG; ++g) {
+      _mm512_mask_storeu_ps(scores + g * n + v * kKeyLanes, keep, _mm512_add_ps(lo[g][v], hi[g][v]));
+    }
+  }
+}
+
+// qk_keys for the query heads of kv head h (q and scores as qk_all's), NG <= 3 at a time;
+// KV tiles of 16 keys (count <= 16 KV).
+template <int KV>
+inline void qk_keys_heads(const float* q, const float* kt, int64_t h, int64_t head_dim,
+                          int64_t group, int count, float* scores, int64_t n) {
+  for (int64_t g0 = 0; g0 < group; g0 += 3) {
+    const int64_t head = h * group + g0;
+    const float* qh = q + head * head_dim;
+    float* s = scores + head * n;
+    const int ng = static_cast<int>(std::min<int64_t>(3, group - g0));
+    if (head_dim == 64 && ng == 3) {
+      qk_keys<3, KV, 4>(qh, kt, head_dim, count, s, n);
+      continue;
+    }
+    switch (ng) {
+      case 3: qk_keys<3, KV>(qh, kt, head_dim, count, s, n); break;
+      case 2: qk_keys<2, KV>(qh, kt, head_dim, count, s, n); break;
+      default: qk_keys<1, KV>(qh, kt, head_dim, count, s, n); break;
+    }
+  }
+}
+
+#endif
+
 // scores[h, i] = q_h . k_i for the query heads h of kv heads kv0 .. kv1 - 1 (scores [H, n],
 // q [H, D]): token tiles front to back, each tile's K values for those kv heads (one
 // contiguous run per token) before the next tile, NG <= 3 query heads of a group at a
@@ -397,6 +545,15 @@ inline void softmax_numerators(float* s, int64_t n, float* max_out, float* sum_o
 #if defined(__AVX2__) && defined(__FMA__)
   const __m256 mb = _mm256_set1_ps(m);
   __m256 acc = _mm256_setzero_ps();
+#if defined(__AVX512F__)
+  // 16 exponentials at a time, added to the 8-lane sums as two groups of 8 in order
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp_approx16(_mm512_sub_ps(_mm512_loadu_ps(s + i), _mm512_set1_ps(m)));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; i + 8 <= n; i += 8) {
     const __m256 e = exp_approx8(_mm256_sub_ps(_mm256_loadu_ps(s + i), mb));
     _mm256_storeu_ps(s + i, e);
@@ -501,11 +658,6 @@ inline void widen(const cache_t* src, float* dst, int64_t n) {
 #endif
   for (; d < n; d += 8) _mm256_storeu_ps(dst + d, load8(src + d));
 }
-
-// Keeps `v` in a register: reading float32, the compiler would otherwise fold its load
-// into every multiply-add that uses it, and reload the query vectors too.
-template <typename V>
-inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 
 // qk_tile over a run's widened (float32) tile: the same sums, with each key vector and
 // query vector loaded once per step of d (named registers, not arrays, which the
@@ -640,7 +792,45 @@ void run_item(const Item& it, const float* q /*[rows, H, D]*/, const cache_t* k_
   auto row_scores = [&](int64_t b) { return scores + (b - it.seq) * num_heads * kMaxPartition; };
   auto row_acc = [&](int64_t b) { return acc_p + (first_slot[b] + it.slot) * num_heads * head_dim; };
   // q . k for every row, a tile of keys at a time.
+#if defined(PAGEDLM_TILED512)
+  if (head_dim % 16 == 0) {  // keys in lanes: each tile's keys transposed once for every row
+    const int64_t bytes = (it.kv1 - it.kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
+    const int64_t per_head = kKeyTile * head_dim;  // floats of one kv head's transposed keys
+    for (int64_t t0 = 0; t0 < n; t0 += kKeyTile) {
+      const int count = static_cast<int>(std::min(kKeyTile, n - t0));
+      for (int64_t j = t0 + kKeyTile; j < std::min(n, t0 + 2 * kKeyTile); ++j) {
+        prefetch_token(k_cache + offsets[j] + it.kv0 * head_dim, bytes);
+      }
+      const cache_t* keys[kKeyTile];
+      for (int i = 0; i < count; ++i) keys[i] = k_cache + offsets[t0 + i];
+      for (int64_t h = it.kv0; h < it.kv1; ++h) {
+        float* kt = tile + (h - it.kv0) * per_head;
+        transpose_keys(keys, h * head_dim, std::min(count, static_cast<int>(kKeyLanes)), head_dim, kt);
+        if (count > kKeyLanes) {
+          transpose_keys(keys + kKeyLanes, h * head_dim, count - static_cast<int>(kKeyLanes),
+                         head_dim, kt + kKeyLanes * head_dim);
+        }
+      }
+      for (int64_t b = it.seq; b < it.seq_end; ++b) {
+        const int64_t c = std::min<int64_t>(count, seen(b) - t0);
+        if (c <= 0) continue;
+        for (int64_t h = it.kv0; h < it.kv1; ++h) {
+          const float* kt = tile + (h - it.kv0) * per_head;
+          float* sb = row_scores(b) + t0;
+          const float* qb = q + b * num_heads * head_dim;
+          if (c > kKeyLanes) {
+            qk_keys_heads<2>(qb, kt, h, head_dim, group, static_cast<int>(c), sb, seen(b));
+          } else {
+            qk_keys_heads<1>(qb, kt, h, head_dim, group, static_cast<int>(c), sb, seen(b));
+          }
+        }
+      }
+    }
+  }
+  for (int64_t t0 = 0; t0 < n && head_dim % 16 != 0; t0 += kRunTile) {
+#else
   for (int64_t t0 = 0; t0 < n; t0 += kRunTile) {
+#endif
     const int64_t count = std::min(kRunTile, n - t0);
     widen_tile(k_cache, offsets, t0, count, n, it.kv0, it.kv1, head_dim, token_stride, tile, toks);
     for (int64_t b = it.seq; b < it.seq_end; ++b) {
@@ -829,7 +1019,12 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
     std::vector<float> scores(num_heads * part);
     // A run's rows' scores and its widened tile of tokens, kept by the thread between calls.
     static thread_local std::vector<float> run_space;
-    if (any_run) run_space.resize((kMaxRunRows * num_heads * part) + kRunTile * num_kv_heads * head_dim);
+    float* run_tile = nullptr;  // 64-byte aligned (the transposed keys' aligned loads and stores)
+    if (any_run) {
+      run_space.resize((kMaxRunRows * num_heads * part) + kRunTileFloats * num_kv_heads * head_dim + 16);
+      const auto p = reinterpret_cast<uintptr_t>(run_space.data() + kMaxRunRows * num_heads * part);
+      run_tile = reinterpret_cast<float*>((p + 63) & ~static_cast<uintptr_t>(63));
+    }
     for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
       const Item& it = items[i];
 #if defined(PAGEDLM_TILED)
@@ -837,7 +1032,7 @@ void run_decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torc
         run_item<cache_t>(it, q_p, k_p, v_p, bt_p + it.longest * max_blocks, block_size,
                           num_heads, num_kv_heads, head_dim, group, seq_lens.data(),
                           first_slot.data(), soft_cap, slopes, run_space.data(),
-                          run_space.data() + kMaxRunRows * num_heads * part, acc_p, max_p, sum_p);
+                          run_tile, acc_p, max_p, sum_p);
         continue;
       }
 #endif
