@@ -367,6 +367,126 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 #undef PAGEDLM_ROWS8
 }
 
+// tile512 over four adjacent panels (two 512-bit weight registers) and up to 4 rows: each
+// row's broadcast of 4 activations feeds two vpdpbusd instead of one. With all data in L1
+// the broadcasts, not the multiplies, bound tile512 (the same tile with one broadcast for
+// every row ran 2.1x the multiply-adds at 512 rows), so sharing them is the gain. The same
+// integer sums and float32 operations per output as tile512, so the same bits.
+// out: [kRows, 4, 8].
+template <int kRows, bool kQ4, bool kPacked>
+inline void tile512x4(const int8_t* r, const float* e, const float* s, const int32_t* c, int64_t K,
+                      const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride,
+                      float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
+  static_assert(kRows >= 1 && kRows <= 4, "up to 4 rows");
+  const int64_t B = K / kBlock;
+#define PAGEDLM_ROWS4(X) X(0) X(1) X(2) X(3)
+#define PAGEDLM_DECL(i) __m512 f##i = _mm512_setzero_ps(), g##i = _mm512_setzero_ps(); \
+  const int8_t* r##i = r + i * K;
+  PAGEDLM_ROWS4(PAGEDLM_DECL)
+#undef PAGEDLM_DECL
+  auto both = [&](const uint8_t* p) {
+    return _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + wstride)), 1);
+  };
+  auto scales16 = [&](const at::Half* p) {
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
+  };
+  constexpr int64_t kBlockBytes = (kPacked ? kGroups / 2 : kGroups) * 32;  // per panel
+  for (int64_t b = 0; b < B; ++b) {
+    if (pf_w != nullptr) {  // the same block of the next four panels
+      for (int j = 0; j < 4; ++j) {
+        for (int64_t off = 0; off < kBlockBytes; off += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(pf_w + j * wstride + b * kBlockBytes + off), _MM_HINT_T0);
+        }
+        _mm_prefetch(reinterpret_cast<const char*>(pf_sc + j * sstride + b * (kQ4 ? 16 : 8)), _MM_HINT_T0);
+      }
+    }
+#define PAGEDLM_DECL(i) \
+  const int32_t c##i = kQ4 || kRows <= i ? 0 : c[i * B + b]; \
+  __m512i a##i = _mm512_set1_epi32(c##i), h##i = a##i;
+    PAGEDLM_ROWS4(PAGEDLM_DECL)
+#undef PAGEDLM_DECL
+    const uint8_t* wb = w + b * kBlockBytes;
+    const uint8_t* wb2 = wb + 2 * wstride;
+    const int64_t k0 = b * kBlock;
+#pragma GCC unroll 8
+    for (int g = 0; g < kGroups; ++g) {
+      __m512i w0, w1;
+      if constexpr (kPacked) {
+        const __m512i p0 = both(wb + (g / 2) * 32), p1 = both(wb2 + (g / 2) * 32);
+        w0 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p0, 4) : p0, _mm512_set1_epi8(0x0F));
+        w1 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p1, 4) : p1, _mm512_set1_epi8(0x0F));
+      } else if constexpr (kQ4) {
+        w0 = both(wb + g * 32);
+        w1 = both(wb2 + g * 32);
+      } else {
+        w0 = _mm512_xor_si512(both(wb + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
+        w1 = _mm512_xor_si512(both(wb2 + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
+      int32_t bits;
+#define PAGEDLM_ROW(i)                                                   \
+  if constexpr (kRows > i) {                                             \
+    std::memcpy(&bits, r##i + k0 + 4 * g, 4);                            \
+    const __m512i xb = _mm512_set1_epi32(bits);                          \
+    a##i = _mm512_dpbusd_epi32(a##i, w0, xb);                            \
+    h##i = _mm512_dpbusd_epi32(h##i, w1, xb);                            \
+  }
+      PAGEDLM_ROWS4(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    }
+    const at::Half* sb = sc + b * (kQ4 ? 16 : 8);
+    const at::Half* sb2 = sb + 2 * sstride;
+    const __m512 d0 = scales16(sb), d1 = scales16(sb2);
+    if constexpr (kQ4) {
+      const __m512 m0 = scales16(sb + 8), m1 = scales16(sb2 + 8);
+#define PAGEDLM_ROW(i)                                                                     \
+  if constexpr (kRows > i) {                                                               \
+    const __m512 ei = _mm512_set1_ps(e[i * B + b]), si = _mm512_set1_ps(s[i * B + b]);   \
+    f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d0, ei), f##i);        \
+    f##i = _mm512_fmadd_ps(m0, si, f##i);                                                  \
+    g##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), _mm512_mul_ps(d1, ei), g##i);        \
+    g##i = _mm512_fmadd_ps(m1, si, g##i);                                                  \
+  }
+      PAGEDLM_ROWS4(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    } else {
+#define PAGEDLM_ROW(i)                                                                     \
+  if constexpr (kRows > i) {                                                               \
+    const __m512 ei = _mm512_set1_ps(e[i * B + b]);                                        \
+    f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d0, ei), f##i);        \
+    g##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), _mm512_mul_ps(d1, ei), g##i);        \
+  }
+      PAGEDLM_ROWS4(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+    }
+  }
+#define PAGEDLM_ROW(i)                                        \
+  if constexpr (kRows > i) {                                  \
+    _mm512_storeu_ps(out + i * 4 * kCols, f##i);              \
+    _mm512_storeu_ps(out + i * 4 * kCols + 2 * kCols, g##i);  \
+  }
+  PAGEDLM_ROWS4(PAGEDLM_ROW)
+#undef PAGEDLM_ROW
+#undef PAGEDLM_ROWS4
+}
+
+template <bool kQ4, bool kPacked>
+void run_tile512x4(int rows, const int8_t* r, const float* e, const float* s, const int32_t* c,
+                   int64_t K, const uint8_t* w, int64_t wstride, const at::Half* sc,
+                   int64_t sstride, float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
+#define PAGEDLM_TILE(n) tile512x4<n, kQ4, kPacked>(r, e, s, c, K, w, wstride, sc, sstride, out, pf_w, pf_sc)
+  switch (rows) {
+    case 1: PAGEDLM_TILE(1); break;
+    case 2: PAGEDLM_TILE(2); break;
+    case 3: PAGEDLM_TILE(3); break;
+    default: PAGEDLM_TILE(4); break;
+  }
+#undef PAGEDLM_TILE
+}
+
 template <bool kQ4, bool kPacked>
 void run_tile512(int rows, const int8_t* r, const float* e, const float* s, const int32_t* c,
                  int64_t K, const uint8_t* w, int64_t wstride, const at::Half* sc,
@@ -448,8 +568,11 @@ void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, 
                 const at::Half* pf_sc = nullptr) {
 #ifdef PAGEDLM_Q8_VNNI512
   constexpr bool kWide = kPan == 2;  // pairs of panels go through tile512
+  constexpr bool kQuad = kPan == 4;  // fours through tile512x4
 #else
   constexpr bool kWide = false;
+  constexpr bool kQuad = false;
+  static_assert(kPan <= 2, "four panels at a time need the 512-bit tiles");
 #endif
   constexpr int kTile = kWide ? 8 : kPan == 1 ? 6 : 4;
   const int64_t B = K / kBlock;
@@ -457,13 +580,17 @@ void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, 
   for (int64_t i0 = i_begin; i0 < i_end; i0 += kTile) {
     const int rows = static_cast<int>(std::min<int64_t>(kTile, i_end - i0));
 #ifdef PAGEDLM_Q8_VNNI512
-    if constexpr (kWide) {
+    if constexpr (kQuad) {
+      run_tile512x4<kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B,
+                                  qa.c.data() + i0 * B, K, w, wstride, sc, sstride, out,
+                                  i0 == i_begin ? pf_w : nullptr, pf_sc);
+    } else if constexpr (kWide) {
       run_tile512<kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B,
                                 qa.c.data() + i0 * B, K, w, wstride, sc, sstride, out,
                                 i0 == i_begin ? pf_w : nullptr, pf_sc);
     } else
 #endif
-    run_tile<kPan, kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B, K,
+    if constexpr (!kQuad) run_tile<kPan, kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B, K,
                         w, wstride, sc, sstride, out);
     for (int j = 0; j < kPan; ++j) {
       const int64_t col = (p + j) * kCols;
@@ -503,7 +630,7 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
   // Q8_0 on AVX2, whose two extra operations per multiply (sign, widening) leave no
   // registers for a second panel (pairs measured 0.7x at 4 rows on the LM head).
 #ifdef PAGEDLM_Q8_VNNI512
-  constexpr int64_t kUnit = 2;  // 512-bit tiles hold Q8_0 pairs too
+  constexpr int64_t kUnit = 4;  // 512-bit tiles hold Q8_0 pairs too, and fours (tile512x4)
 #else
   constexpr int64_t kUnit = kQ4 ? 2 : 1;
 #endif
@@ -523,14 +650,32 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
     for (int64_t m0 = 0; m0 < M; m0 += mc) {
       const int64_t m1 = std::min(M, m0 + mc);
       for (int64_t u = begin; u < end; ++u) {
-        const int64_t p = kUnit * u;
-        const bool pair = kUnit == 2 && p + 1 < P;
+#ifdef PAGEDLM_Q8_VNNI512
+        if (kUnit * u + 3 < P) {  // four panels
+          const int64_t p = kUnit * u;
+          const uint8_t* w = w_p + p * panel_bytes;
+          const at::Half* sc = sc_p + p * scale_count;
+          const bool next = m1 - m0 <= kPrefetchRows && u + 1 < end && p + 7 < P;
+          const uint8_t* pf = next ? w + 4 * panel_bytes : nullptr;
+          if (in_registers) {
+            panel_rows<4, kQ4, true>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p,
+                                     pf, sc + 4 * scale_count);
+          } else {
+            panel_rows<4, kQ4, false>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p,
+                                      pf, sc + 4 * scale_count);
+          }
+          continue;
+        }
+#endif
+        // The panels of a unit in pairs (the last alone where their count is odd).
+        for (int64_t p = kUnit * u; p < std::min(P, kUnit * (u + 1)); p += (kUnit == 1 ? 1 : 2)) {
+        const bool pair = kUnit > 1 && p + 1 < P;
         const uint8_t* w = w_p + p * panel_bytes;
         const at::Half* sc = sc_p + p * scale_count;
         if (in_registers) {
           if (pair) {
             // The thread's next pair (a whole one), fetched while this one computes.
-            const bool next = m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
+            const bool next = kUnit == 2 && m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
             panel_rows<2, kQ4, true>(qa, m0, m1, K, w, panel_bytes, sc, scale_count, p, N, bias_p, y_p,
                                      next ? w + 2 * panel_bytes : nullptr, sc + 2 * scale_count);
           } else {
@@ -547,11 +692,12 @@ void run_gemm(const torch::Tensor& x, const torch::Tensor& packed, const torch::
         }
         if (pair) {
           // Q8_0 panels are read as stored: the next pair is prefetched as above.
-          const bool next = !kQ4 && m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
+          const bool next = kUnit == 2 && !kQ4 && m1 - m0 <= kPrefetchRows && u + 1 < end && p + 3 < P;
           panel_rows<2, kQ4, false>(qa, m0, m1, K, w, wstride, sc, scale_count, p, N, bias_p, y_p,
                                     next ? w + 2 * panel_bytes : nullptr, sc + 2 * scale_count);
         } else {
           panel_rows<1, kQ4, false>(qa, m0, m1, K, w, wstride, sc, scale_count, p, N, bias_p, y_p);
+        }
         }
       }
     }
