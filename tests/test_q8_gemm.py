@@ -62,9 +62,11 @@ def _check(x, blocks, weight, ggml_type, bias=None):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 11, 12, 13, 64])
 def test_every_tile_height_matches_reference(rows, ggml_type):
     g = torch.Generator().manual_seed(rows)
-    blocks, weight = FORMATS[ggml_type](20, 96, g)  # 20 = two full panels and a ragged one
+    # 52 features = 7 panels of 8, the last ragged: with AVX-512 VNNI a four, a pair and
+    # one alone (tile512x4, tile512, the narrow tile); elsewhere pairs and one alone
+    blocks, weight = FORMATS[ggml_type](52, 96, g)
     x = torch.randn(rows, 96, generator=g)
-    _check(x, blocks, weight, ggml_type, torch.randn(20, generator=g))
+    _check(x, blocks, weight, ggml_type, torch.randn(52, generator=g))
     _check(x, blocks, weight, ggml_type)
 
 
@@ -125,10 +127,10 @@ def test_thread_counts_give_identical_results():
 def test_each_row_is_computed_as_if_alone(ggml_type):
     """Bit for bit, a row's result does not depend on the rows beside it: not on its place in
     a micro-kernel tile, nor on the chunk of rows it falls in (250 rows of 1536 features run
-    in three chunks), nor on whether its panel is paired with the next one (20 features: one
-    pair and a ragged panel alone)."""
+    in three chunks), nor on how many panels share its tile (52 features: 7 panels, a four,
+    a pair and a ragged one alone where the CPU has AVX-512 VNNI)."""
     g = torch.Generator().manual_seed(11)
-    blocks, weight = FORMATS[ggml_type](20, 1536, g)
+    blocks, weight = FORMATS[ggml_type](52, 1536, g)
     mm = Q8WeightMatmul(blocks, ggml_type)
     x = torch.randn(250, 1536, generator=g)
     together = mm(x, None)

@@ -18,7 +18,8 @@
 // the multiply-adds of one float32 FMA, and the CPU issues two of either per cycle; the
 // int16 sums of a Q4_1 block (8 groups, each lane <= 2 * 15 * 127 = 3810) cannot overflow.
 // Where the compiler targets AVX-512 VNNI, pairs of panels run through one 512-bit
-// vpdpbusd per row and group instead (tile512): the same integer sums, the same bits.
+// vpdpbusd per row and group instead (tile512), and fours through two (tile512x4): the
+// same integer sums, the same bits.
 //
 // Layout, for panels of 8 output features (P = ceil(N / 8), B = K / 32, 0 past N):
 //
@@ -369,10 +370,12 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 
 // tile512 over four adjacent panels (two 512-bit weight registers) and up to 4 rows: each
 // row's broadcast of 4 activations feeds two vpdpbusd instead of one. With all data in L1
-// the broadcasts, not the multiplies, bound tile512 (the same tile with one broadcast for
-// every row ran 2.1x the multiply-adds at 512 rows), so sharing them is the gain. The same
-// integer sums and float32 operations per output as tile512, so the same bits.
-// out: [kRows, 4, 8].
+// tile512 issues about three operations per vpdpbusd, and those, not the multiplies, bound
+// it (the same tile with one broadcast shared by all its rows, wrong but timed, ran 2.1x
+// the multiply-adds at 512 rows); sharing the broadcasts measured 1.07-1.10x at 4-512 rows
+// and the same at 1-16 rows with the weights streaming from memory
+// (benchmarks/cpu/q8_gemm_revs.py [--stream] --baseline-rev). The same integer sums and
+// float32 operations per output as tile512, so the same bits. out: [kRows, 4, 8].
 template <int kRows, bool kQ4, bool kPacked>
 inline void tile512x4(const int8_t* r, const float* e, const float* s, const int32_t* c, int64_t K,
                       const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride,
