@@ -1,0 +1,192 @@
+"""N-gram proposer settings tried without the model: greedy speculative decoding is a replay.
+
+With temperature 0 the tokens a request produces are the same with and without
+speculation (tested), so what the n-gram proposer would draft, and what the verification
+would accept, follows from the plain engine's greedy output alone. This script takes the
+batch-1 workloads of `pagedlm bench spec-decode` (16 repeating turns and 16 ShareGPT chats,
+seed 0, chat template, the same max_tokens), generates their greedy outputs once with the
+plain engine, then replays each request step by step through the engine's own
+NgramProposer (engine/spec_decode.py, back-off included) with every setting asked for:
+a step drafts, the longest prefix of the drafts equal to the output is accepted, and one
+more token comes from the step itself.
+
+A step's time comes from a measured cost per row count: the "rows ... step" table that
+`benchmarks/cpu/spec_step_profile.py` prints (its ms per decode step by rows; rows past the
+table's last cost its last step plus the table's mean cost per row). The figure printed is
+then a model's, ms per output token after the first: use it to rank settings and to see
+where the time goes, and `pagedlm bench spec-decode` to measure the one chosen.
+
+    python benchmarks/cpu/spec_proposer_replay.py --profile PROFILE.txt
+        [--setting name=key:value,...] [--resync]
+
+--setting keys: num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
+match_slack, rest_steps. --resync adds the "edit" heuristic: after a verification whose
+draft at source position s was rejected, the next drafts resume the source at s + 1 (a
+substituted token; s + 2 where the new token equals the source's s + 1, a deleted one)
+when no n-gram matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from types import SimpleNamespace
+
+from pagedlm.config import SpeculativeConfig
+from pagedlm.engine.spec_decode import NgramProposer
+
+
+def read_step_costs(path: str) -> dict[int, float]:
+    """rows -> ms per step, from spec_step_profile.py's table."""
+    costs: dict[int, float] = {}
+    for line in Path(path).read_text().splitlines():
+        m = re.match(r"\s*(\d+)\s+(\d+)\s+([\d.]+)(?:\s|$)", line)
+        if m:
+            costs[int(m.group(1))] = float(m.group(3))
+    if 1 not in costs:
+        raise SystemExit(f"{path}: no 'rows steps step ...' table with a 1-row line")
+    return costs
+
+
+def step_cost(costs: dict[int, float], rows: int) -> float:
+    if rows in costs:
+        return costs[rows]
+    top = max(costs)
+    per_row = (costs[top] - costs[1]) / max(1, top - 1)
+    if rows > top:
+        return costs[top] + per_row * (rows - top)
+    below = max(r for r in costs if r < rows)
+    return costs[below] + per_row * (rows - below)
+
+
+def greedy_outputs(weight_dtype: str, kv_cache_dtype: str) -> dict[str, list[tuple[list[int], list[int]]]]:
+    from pagedlm import LLM, SamplingParams
+    from pagedlm.benchmarks.cli import SPEC_DECODE_MAX_OUTPUT_LEN
+    from pagedlm.benchmarks.datasets import load_sharegpt_records
+    from pagedlm.benchmarks.spec_decode import batch1_workloads, chat_ids
+
+    llm = LLM(num_threads=2, weight_dtype=weight_dtype, kv_cache_dtype=kv_cache_dtype)
+    tokenizer = llm.get_tokenizer()
+    out = {}
+    workloads = batch1_workloads(tokenizer, 16, 0, SPEC_DECODE_MAX_OUTPUT_LEN, load_sharegpt_records())
+    for name, requests in workloads.items():
+        prompts = [chat_ids(tokenizer, r.prompt) for r in requests]
+        params = [SamplingParams(temperature=0, max_tokens=r.output_len) for r in requests]
+        results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        out[name] = [(p, list(r.outputs[0].token_ids)) for p, r in zip(prompts, results)]
+    return out
+
+
+class ResyncProposer(NgramProposer):
+    """NgramProposer, and after a rejected draft at source position s with no n-gram match,
+    drafts from s + 1 (s + 2 where the new token is the source's s + 1)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self._source: dict[str, int] = {}  # where the sequence's last drafts came from
+        self._missed: dict[str, int] = {}  # the source position of a rejected draft
+        self._current = ""
+
+    def record(self, spec, accepted) -> None:
+        for seq_id, drafts in spec.items():
+            n = len(accepted.get(seq_id, ()))
+            if seq_id in self._source and n < len(drafts):
+                self._missed[seq_id] = self._source[seq_id] + n
+            else:
+                self._missed.pop(seq_id, None)
+        super().record(spec, accepted)
+
+    def _draft(self, requests, counts) -> None:
+        for request, k in zip(requests, counts):
+            self._current = request.request_id
+            drafts = self._lookup(self._seqs[request.request_id], request.all_token_ids, k)
+            if drafts:
+                request.spec_token_ids = drafts
+
+    def _lookup(self, state, tokens, k):
+        seq_id = self._current
+        missed = self._missed.pop(seq_id, None)
+        match = self._match(state, tokens, k + self.match_slack)
+        if match is not None:
+            after, m = match
+            self._source[seq_id] = after
+            return tokens[after:after + min(k, max(1, m - self.match_slack))]
+        if missed is not None:
+            start = missed + 2 if missed + 1 < len(tokens) and tokens[missed + 1] == tokens[-1] else missed + 1
+            if start < len(tokens) - 1:
+                self._source[seq_id] = start
+                return tokens[start:start + k]
+        self._source.pop(seq_id, None)
+        return []
+
+
+def replay(pairs, costs, settings: dict[str, int], resync: bool) -> tuple[float, dict[int, int], float]:
+    """ms per output token after the first, steps by rows, tokens per step."""
+    config_keys = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+    config = SpeculativeConfig(method="ngram", **{"num_speculative_tokens": 15,
+                                                  **{k: v for k, v in settings.items() if k in config_keys}})
+    attrs = {k: v for k, v in settings.items() if k not in config_keys}
+    cls = type("Replayed", (ResyncProposer if resync else NgramProposer,), attrs)
+    total_ms, tokens, steps = 0.0, 0, {}
+    for prompt, output in pairs:
+        proposer = cls(config, 256)
+        seq, pos = list(prompt) + output[:1], 1  # the first token comes from the prefill
+        request = SimpleNamespace(request_id="r", all_token_ids=seq, spec_token_ids=[])
+        while pos < len(output):
+            request.all_token_ids, request.spec_token_ids = seq, []
+            proposer.propose([request])
+            drafts = request.spec_token_ids[:len(output) - pos]
+            n = 0
+            while n < len(drafts) and drafts[n] == output[pos + n]:
+                n += 1
+            rows = len(drafts) + 1
+            total_ms += step_cost(costs, rows)
+            steps[rows] = steps.get(rows, 0) + 1
+            if drafts:
+                proposer.record({"r": drafts}, {"r": drafts[:n]})
+            seq = seq + output[pos:pos + n + 1]
+            pos += n + 1
+        tokens += len(output) - 1
+    return total_ms / tokens, steps, tokens / sum(steps.values())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--profile", required=True, help="spec_step_profile.py's output (the step costs)")
+    p.add_argument("--outputs", help="greedy outputs JSON to reuse (written here when missing)")
+    p.add_argument("--setting", action="append", default=[],
+                   help="name=key:value,... replayed beside the default proposer (repeatable)")
+    p.add_argument("--resync", action="store_true", help="also replay every setting with --resync's heuristic")
+    p.add_argument("--weight-dtype", default="q8")
+    p.add_argument("--kv-cache-dtype", default="float16")
+    args = p.parse_args()
+    costs = read_step_costs(args.profile)
+    if args.outputs and Path(args.outputs).exists():
+        data = json.loads(Path(args.outputs).read_text())
+    else:
+        data = greedy_outputs(args.weight_dtype, args.kv_cache_dtype)
+        if args.outputs:
+            Path(args.outputs).write_text(json.dumps(data))
+    settings: list[tuple[str, dict[str, int]]] = [("default", {})]
+    for spec in args.setting:
+        name, _, body = spec.partition("=")
+        settings.append((name, {k: int(v) for k, v in (kv.split(":") for kv in body.split(",") if kv)}))
+    variants = [(name, s, False) for name, s in settings]
+    if args.resync:
+        variants += [(name + "+resync", s, True) for name, s in settings]
+    print(f"step costs (ms by rows) from {args.profile}: "
+          + ", ".join(f"{r}: {c:.2f}" for r, c in sorted(costs.items())))
+    for workload, pairs in data.items():
+        base, _, _ = replay(pairs, costs, {}, False)
+        print(f"{workload} ({len(pairs)} requests; without speculation {costs[1]:.2f} ms per token)")
+        for name, s, resync in variants:
+            ms, steps, per_step = replay(pairs, costs, s, resync)
+            print(f"  {name:24s} {ms:6.3f} ms/token after the first, {costs[1] / ms:5.3f}x over none, "
+                  f"{base / ms:5.3f}x of default; {sum(steps.values())} steps ({steps.get(1, 0)} without "
+                  f"drafts), {per_step:.2f} tokens per step")
+
+
+if __name__ == "__main__":
+    main()
