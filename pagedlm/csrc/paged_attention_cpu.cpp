@@ -326,6 +326,10 @@ inline void in_register(V& v) { asm volatile("" : "+v"(v)); }
 // a tile once for all its rows, where qk_tile's reductions were each row's own.
 constexpr int64_t kKeyLanes = 16;
 constexpr int64_t kKeyTile = 2 * kKeyLanes;  // keys per pass: each broadcast query value serves two
+// Rows a run needs for its keys to be transposed: the transposition costs more than the
+// lane sums it saves for fewer (2-row runs 0.91-1.00x, 4 rows 1.00-1.15x, 8 rows
+// 1.08-1.30x, decode_attention_cold.py --verify-rows R --baseline-rev 5dd5bf8).
+constexpr int64_t kKeysInLanesRows = 4;
 
 // r[i] = row i of a 16 x 16 block of float32  ->  r[j] = its column j.
 inline void transpose16(__m512 r[16]) {
@@ -795,7 +799,8 @@ void run_item(const Item& it, const float* q /*[rows, H, D]*/, const cache_t* k_
   auto row_acc = [&](int64_t b) { return acc_p + (first_slot[b] + it.slot) * num_heads * head_dim; };
   // q . k for every row, a tile of keys at a time.
 #if defined(PAGEDLM_TILED512)
-  if (head_dim % 16 == 0) {  // keys in lanes: each tile's keys transposed once for every row
+  const bool keys_in_lanes = head_dim % 16 == 0 && it.seq_end - it.seq >= kKeysInLanesRows;
+  if (keys_in_lanes) {  // each tile's keys transposed once for every row
     const int64_t bytes = (it.kv1 - it.kv0) * head_dim * static_cast<int64_t>(sizeof(cache_t));
     const int64_t per_head = kKeyTile * head_dim;  // floats of one kv head's transposed keys
     for (int64_t t0 = 0; t0 < n; t0 += kKeyTile) {
@@ -829,7 +834,7 @@ void run_item(const Item& it, const float* q /*[rows, H, D]*/, const cache_t* k_
       }
     }
   }
-  for (int64_t t0 = 0; t0 < n && head_dim % 16 != 0; t0 += kRunTile) {
+  for (int64_t t0 = 0; t0 < n && !keys_in_lanes; t0 += kRunTile) {
 #else
   for (int64_t t0 = 0; t0 < n; t0 += kRunTile) {
 #endif
