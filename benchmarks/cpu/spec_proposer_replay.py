@@ -17,7 +17,7 @@ then a model's, ms per output token after the first: use it to rank settings and
 where the time goes, and `pagedlm bench spec-decode` to measure the one chosen.
 
     python benchmarks/cpu/spec_proposer_replay.py --profile PROFILE.txt
-        [--setting name=key:value,...] [--resync]
+        [--setting name=key:value,...] [--resync] [--extra-row-scale 0.8]
 
 --setting keys: num_speculative_tokens, prompt_lookup_min, prompt_lookup_max,
 match_slack, rest_steps. --resync adds the "edit" heuristic: after a verification whose
@@ -159,10 +159,13 @@ def main() -> None:
     p.add_argument("--setting", action="append", default=[],
                    help="name=key:value,... replayed beside the default proposer (repeatable)")
     p.add_argument("--resync", action="store_true", help="also replay every setting with --resync's heuristic")
+    p.add_argument("--extra-row-scale", type=float, default=1.0,
+                   help="scale what each row past the first adds to a step (what-if: cheaper verification)")
     p.add_argument("--weight-dtype", default="q8")
     p.add_argument("--kv-cache-dtype", default="float16")
     args = p.parse_args()
     costs = read_step_costs(args.profile)
+    costs = {r: costs[1] + (c - costs[1]) * args.extra_row_scale for r, c in costs.items()}
     if args.outputs and Path(args.outputs).exists():
         data = json.loads(Path(args.outputs).read_text())
     else:
