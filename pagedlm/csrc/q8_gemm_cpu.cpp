@@ -280,6 +280,35 @@ inline void tile(const int8_t* r, const float* e, const float* s, int64_t K, con
 #undef PAGEDLM_ROWS
 
 #ifdef PAGEDLM_Q8_VNNI512
+// Two adjacent panels' 32 bytes of a group (or a Q4_1 pair of groups) side by side; the
+// second panel at p + wstride.
+inline __m512i pair_bytes(const uint8_t* p, int64_t wstride) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + wstride)), 1);
+}
+
+// Two adjacent panels' 8 float16 scales as 16 float32 lanes; the second's at p + sstride.
+inline __m512 pair_scales(const at::Half* p, int64_t sstride) {
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
+}
+
+// Group g of block `wb` for two adjacent panels as unsigned bytes for vpdpbusd: packed
+// Q4_1 nibbles unpacked, widened Q4_1 as stored, Q8_0 plus 128 (see tile512).
+template <bool kQ4, bool kPacked>
+inline __m512i pair_group(const uint8_t* wb, int g, int64_t wstride) {
+  if constexpr (kPacked) {
+    const __m512i p = pair_bytes(wb + (g / 2) * 32, wstride);
+    return _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p, 4) : p, _mm512_set1_epi8(0x0F));
+  } else if constexpr (kQ4) {
+    return pair_bytes(wb + g * 32, wstride);
+  } else {
+    return _mm512_xor_si512(pair_bytes(wb + g * 32, wstride), _mm512_set1_epi8(static_cast<char>(0x80)));
+  }
+}
+
 // Two panels in one 512-bit register (features 0-7 of the first, then of the second) and
 // vpdpbusd, which multiplies 4 unsigned by 4 signed bytes and adds them to an int32 lane in
 // one operation (AVX2 takes vpmaddubsw, vpaddw and, per block, vpmaddwd). The same exact
@@ -296,17 +325,6 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 #define PAGEDLM_DECL(i) __m512 f##i = _mm512_setzero_ps(); const int8_t* r##i = r + i * K;
   PAGEDLM_ROWS8(PAGEDLM_DECL)
 #undef PAGEDLM_DECL
-  // Both panels' 32 bytes of a group (or a Q4_1 pair of groups) side by side.
-  auto both = [&](const uint8_t* p) {
-    return _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + wstride)), 1);
-  };
-  auto scales16 = [&](const at::Half* p) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
-  };
   constexpr int64_t kBlockBytes = (kPacked ? kGroups / 2 : kGroups) * 32;  // per panel
   for (int64_t b = 0; b < B; ++b) {
     if (pf_w != nullptr) {  // the same block of the next pair of panels (see the top)
@@ -325,15 +343,7 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
     const int64_t k0 = b * kBlock;
 #pragma GCC unroll 8
     for (int g = 0; g < kGroups; ++g) {
-      __m512i wg;
-      if constexpr (kPacked) {
-        const __m512i p = both(wb + (g / 2) * 32);
-        wg = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p, 4) : p, _mm512_set1_epi8(0x0F));
-      } else if constexpr (kQ4) {
-        wg = both(wb + g * 32);
-      } else {
-        wg = _mm512_xor_si512(both(wb + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
-      }
+      const __m512i wg = pair_group<kQ4, kPacked>(wb, g, wstride);
       int32_t bits;
 #define PAGEDLM_ROW(i)                                                   \
   if constexpr (kRows > i) {                                             \
@@ -344,9 +354,9 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 #undef PAGEDLM_ROW
     }
     const at::Half* sb = sc + b * (kQ4 ? 16 : 8);
-    const __m512 d = scales16(sb);
+    const __m512 d = pair_scales(sb, sstride);
     if constexpr (kQ4) {
-      const __m512 m = scales16(sb + 8);
+      const __m512 m = pair_scales(sb + 8, sstride);
 #define PAGEDLM_ROW(i)                                                                     \
   if constexpr (kRows > i) {                                                               \
     f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d, _mm512_set1_ps(e[i * B + b])), f##i); \
@@ -387,16 +397,6 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
   const int8_t* r##i = r + i * K;
   PAGEDLM_ROWS4(PAGEDLM_DECL)
 #undef PAGEDLM_DECL
-  auto both = [&](const uint8_t* p) {
-    return _mm512_inserti64x4(
-        _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))),
-        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + wstride)), 1);
-  };
-  auto scales16 = [&](const at::Half* p) {
-    return _mm512_cvtph_ps(_mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + sstride)), 1));
-  };
   constexpr int64_t kBlockBytes = (kPacked ? kGroups / 2 : kGroups) * 32;  // per panel
   for (int64_t b = 0; b < B; ++b) {
     if (pf_w != nullptr) {  // the same block of the next four panels
@@ -417,18 +417,8 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     const int64_t k0 = b * kBlock;
 #pragma GCC unroll 8
     for (int g = 0; g < kGroups; ++g) {
-      __m512i w0, w1;
-      if constexpr (kPacked) {
-        const __m512i p0 = both(wb + (g / 2) * 32), p1 = both(wb2 + (g / 2) * 32);
-        w0 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p0, 4) : p0, _mm512_set1_epi8(0x0F));
-        w1 = _mm512_and_si512(g % 2 ? _mm512_srli_epi16(p1, 4) : p1, _mm512_set1_epi8(0x0F));
-      } else if constexpr (kQ4) {
-        w0 = both(wb + g * 32);
-        w1 = both(wb2 + g * 32);
-      } else {
-        w0 = _mm512_xor_si512(both(wb + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
-        w1 = _mm512_xor_si512(both(wb2 + g * 32), _mm512_set1_epi8(static_cast<char>(0x80)));
-      }
+      const __m512i w0 = pair_group<kQ4, kPacked>(wb, g, wstride);
+      const __m512i w1 = pair_group<kQ4, kPacked>(wb2, g, wstride);
       int32_t bits;
 #define PAGEDLM_ROW(i)                                                   \
   if constexpr (kRows > i) {                                             \
@@ -442,9 +432,9 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     }
     const at::Half* sb = sc + b * (kQ4 ? 16 : 8);
     const at::Half* sb2 = sb + 2 * sstride;
-    const __m512 d0 = scales16(sb), d1 = scales16(sb2);
+    const __m512 d0 = pair_scales(sb, sstride), d1 = pair_scales(sb2, sstride);
     if constexpr (kQ4) {
-      const __m512 m0 = scales16(sb + 8), m1 = scales16(sb2 + 8);
+      const __m512 m0 = pair_scales(sb + 8, sstride), m1 = pair_scales(sb2 + 8, sstride);
 #define PAGEDLM_ROW(i)                                                                     \
   if constexpr (kRows > i) {                                                               \
     const __m512 ei = _mm512_set1_ps(e[i * B + b]), si = _mm512_set1_ps(s[i * B + b]);   \
