@@ -81,44 +81,38 @@ def greedy_outputs(weight_dtype: str, kv_cache_dtype: str) -> dict[str, list[tup
 
 class ResyncProposer(NgramProposer):
     """NgramProposer, and after a rejected draft at source position s with no n-gram match,
-    drafts from s + 1 (s + 2 where the new token is the source's s + 1)."""
+    drafts from s + 1 (s + 2 where the new token is the source's s + 1). Keyed by each
+    sequence's proposer state, which `_lookup` receives."""
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
-        self._source: dict[str, int] = {}  # where the sequence's last drafts came from
-        self._missed: dict[str, int] = {}  # the source position of a rejected draft
-        self._current = ""
+        self._source: dict[int, int] = {}  # where the sequence's last drafts came from
+        self._missed: dict[int, int] = {}  # the source position of a rejected draft
 
     def record(self, spec, accepted) -> None:
         for seq_id, drafts in spec.items():
+            key = id(self._seqs.get(seq_id))
             n = len(accepted.get(seq_id, ()))
-            if seq_id in self._source and n < len(drafts):
-                self._missed[seq_id] = self._source[seq_id] + n
+            if key in self._source and n < len(drafts):
+                self._missed[key] = self._source[key] + n
             else:
-                self._missed.pop(seq_id, None)
+                self._missed.pop(key, None)
         super().record(spec, accepted)
 
-    def _draft(self, requests, counts) -> None:
-        for request, k in zip(requests, counts):
-            self._current = request.request_id
-            drafts = self._lookup(self._seqs[request.request_id], request.all_token_ids, k)
-            if drafts:
-                request.spec_token_ids = drafts
-
     def _lookup(self, state, tokens, k):
-        seq_id = self._current
-        missed = self._missed.pop(seq_id, None)
+        key = id(state)
+        missed = self._missed.pop(key, None)
         match = self._match(state, tokens, k + self.match_slack)
         if match is not None:
             after, m = match
-            self._source[seq_id] = after
+            self._source[key] = after
             return tokens[after:after + min(k, max(1, m - self.match_slack))]
         if missed is not None:
             start = missed + 2 if missed + 1 < len(tokens) and tokens[missed + 1] == tokens[-1] else missed + 1
             if start < len(tokens) - 1:
-                self._source[seq_id] = start
+                self._source[key] = start
                 return tokens[start:start + k]
-        self._source.pop(seq_id, None)
+        self._source.pop(key, None)
         return []
 
 
