@@ -331,32 +331,6 @@ constexpr int64_t kKeyTile = 2 * kKeyLanes;  // keys per pass: each broadcast qu
 // 1.08-1.30x, decode_attention_cold.py --verify-rows R --baseline-rev 5dd5bf8).
 constexpr int64_t kKeysInLanesRows = 4;
 
-// r[i] = row i of a 16 x 16 block of float32  ->  r[j] = its column j.
-inline void transpose16(__m512 r[16]) {
-  __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved, 128 bits at a time
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int m = 0; m < 16; m += 4) {  // u[m + e], 128-bit lane L: column 4 L + e of rows m .. m + 3
-    r[m] = _mm512_shuffle_ps(t[m], t[m + 2], 0x44);
-    r[m + 1] = _mm512_shuffle_ps(t[m], t[m + 2], 0xEE);
-    r[m + 2] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0x44);
-    r[m + 3] = _mm512_shuffle_ps(t[m + 1], t[m + 3], 0xEE);
-  }
-  for (int e = 0; e < 4; ++e) {  // the 4 x 4 blocks of 128 bits of u[e], u[4 + e], u[8 + e], u[12 + e]
-    const __m512 v0 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0x88);
-    const __m512 v1 = _mm512_shuffle_f32x4(r[e], r[4 + e], 0xDD);
-    const __m512 v2 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0x88);
-    const __m512 v3 = _mm512_shuffle_f32x4(r[8 + e], r[12 + e], 0xDD);
-    t[e] = _mm512_shuffle_f32x4(v0, v2, 0x88);       // column e
-    t[8 + e] = _mm512_shuffle_f32x4(v0, v2, 0xDD);   // column 8 + e
-    t[4 + e] = _mm512_shuffle_f32x4(v1, v3, 0x88);   // column 4 + e
-    t[12 + e] = _mm512_shuffle_f32x4(v1, v3, 0xDD);  // column 12 + e
-  }
-  for (int j = 0; j < 16; ++j) r[j] = t[j];
-}
-
 // kt[d * 16 + t] = (toks[t] + off)[d] as float32, d < head_dim, t < 16; tokens past
 // `count` repeat the last (their lanes are never stored).
 template <typename cache_t>

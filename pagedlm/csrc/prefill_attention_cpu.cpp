@@ -74,6 +74,11 @@ inline vf exp_vec(vf x) { return pagedlm_vec::exp_approx_lanes<vf, vi>(x); }
 inline void to_float(const float* src, float* dst, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void to_float(const at::Half* src, float* dst, int64_t n) {
   int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {
+    _mm512_storeu_ps(dst + d, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + d))));
+  }
+#endif
 #if defined(__F16C__)
   for (; d + 8 <= n; d += 8) {
     _mm256_storeu_ps(dst + d, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))));
@@ -189,20 +194,47 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
   const int64_t nq = it.q_end - it.q_begin;
   // Rows: row = g * QB + i (query head h * group + g, query q_begin + i); the padding rows
   // (i >= nq, row >= group * QB) repeat the block's last query and are not written out.
-  std::fill(w.qt.begin(), w.qt.end(), 0.f);
   int32_t pos_max = 0, lo_min = std::numeric_limits<int32_t>::max();
+  int32_t pos_min = std::numeric_limits<int32_t>::max(), lo_max = 0;
   for (int64_t row = 0; row < R; ++row) {
-    const int64_t g = std::min(row / QB, group - 1);
     const int64_t i = std::min(row % QB, nq - 1);
     const int64_t pos = q_first + it.q_begin + i;
     w.qpos[row] = static_cast<int32_t>(pos);
     w.lo[row] = static_cast<int32_t>(window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0);
     pos_max = std::max(pos_max, w.qpos[row]);
+    pos_min = std::min(pos_min, w.qpos[row]);
     lo_min = std::min(lo_min, w.lo[row]);
-    if (row / QB >= group || row % QB >= nq) continue;
-    const float* qr = q + ((q_row0 + it.q_begin + i) * num_heads + it.kv_head * group + g) * D;
-    for (int64_t d = 0; d < D; ++d) w.qt[d * R + row] = qr[d] * scale;
+    lo_max = std::max(lo_max, w.lo[row]);
   }
+  // Q^T, scaled: a row's query (null for the padding rows, whose qt stays 0).
+  auto row_query = [&](int64_t row) -> const float* {
+    if (row / QB >= group || row % QB >= nq) return nullptr;
+    return q + ((q_row0 + it.q_begin + row % QB) * num_heads + it.kv_head * group + row / QB) * D;
+  };
+#if defined(__AVX512F__)
+  // 16 rows x 16 dims at a time, transposed in registers (R and D are multiples of 16):
+  // a scalar store per value, each to another cache line, had cost a tenth of the kernel.
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < R; r0 += 16) {
+    const float* src[16];
+    for (int j = 0; j < 16; ++j) src[j] = row_query(r0 + j);
+    for (int64_t d0 = 0; d0 < D; d0 += 16) {
+      __m512 x[16];
+      for (int j = 0; j < 16; ++j) {
+        x[j] = src[j] ? _mm512_mul_ps(_mm512_loadu_ps(src[j] + d0), vscale) : _mm512_setzero_ps();
+      }
+      pagedlm_vec::transpose16(x);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(w.qt.data() + (d0 + j) * R + r0, x[j]);
+    }
+  }
+#else
+  std::fill(w.qt.begin(), w.qt.end(), 0.f);
+  for (int64_t row = 0; row < R; ++row) {
+    if (const float* qr = row_query(row)) {
+      for (int64_t d = 0; d < D; ++d) w.qt[d * R + row] = qr[d] * scale;
+    }
+  }
+#endif
   std::fill(w.o.begin(), w.o.end(), 0.f);
   std::fill(w.m.begin(), w.m.end(), -std::numeric_limits<float>::max());
   std::fill(w.l.begin(), w.l.end(), 0.f);
@@ -212,6 +244,8 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
   for (int64_t c0 = lo_min; c0 <= pos_max; c0 += kChunk) {
     const int64_t keys = std::min<int64_t>(kChunk, pos_max + 1 - c0);
     const int64_t padded = (keys + kKeyTile - 1) / kKeyTile * kKeyTile;
+    // The block of key c0 + t and its row there, stepped along (no division per key).
+    int64_t blk = c0 / block_size, in_blk = c0 % block_size;
     for (int64_t t = 0; t < padded; ++t) {
       float* kd = w.k.data() + t * D;
       float* vd = w.v.data() + t * D;
@@ -220,9 +254,8 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
         std::fill(vd, vd + D, 0.f);
         continue;
       }
-      const int64_t key = c0 + t;
-      const int64_t off = (block_table[key / block_size] * block_size + key % block_size) * token_stride +
-                          it.kv_head * D;
+      const int64_t off = (block_table[blk] * block_size + in_blk) * token_stride + it.kv_head * D;
+      if (++in_blk == block_size) in_blk = 0, ++blk;
       to_float(k_cache + off, kd, D);
       to_float(v_cache + off, vd, D);
     }
@@ -232,7 +265,42 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
       for (; rv < RVs; ++rv) qk_tile<1>(w.k.data(), key0, w.qt.data(), R, D, w.s.data(), rv);
     }
     // Mask, chunk maximum, online-softmax update, probabilities in place of the scores.
-    for (int64_t rv = 0; rv < RVs; ++rv) {
+    // A chunk that every row sees whole (all but the diagonal's and a window's edge) needs
+    // no mask, and its maximum runs in four independent chains instead of one: the same
+    // maximum, the same probabilities and sums.
+    const bool whole = c0 >= lo_max && c0 + keys - 1 <= pos_min;
+    for (int64_t rv = 0; rv < RVs && whole; ++rv) {
+      const vf m_old = load(w.m.data() + rv * kW);
+      vf mx[4] = {m_old, m_old, m_old, m_old};
+      const float* srv = w.s.data() + rv * kW;
+      int64_t t = 0;
+      for (; t + 4 <= keys; t += 4) {
+        for (int j = 0; j < 4; ++j) {
+          const vf sv = load(srv + (t + j) * R);
+          mx[j] = sv > mx[j] ? sv : mx[j];
+        }
+      }
+      for (; t < keys; ++t) {
+        const vf sv = load(srv + t * R);
+        mx[0] = sv > mx[0] ? sv : mx[0];
+      }
+      mx[0] = mx[1] > mx[0] ? mx[1] : mx[0];
+      mx[2] = mx[3] > mx[2] ? mx[3] : mx[2];
+      const vf m_new = mx[2] > mx[0] ? mx[2] : mx[0];
+      const vf c = exp_vec(m_old - m_new);
+      vf sum = load(w.l.data() + rv * kW) * c;
+      for (t = 0; t < keys; ++t) {
+        float* sp = w.s.data() + t * R + rv * kW;
+        const vf p = exp_vec(load(sp) - m_new);
+        store(sp, p);
+        sum += p;
+      }
+      for (; t < padded; ++t) store(w.s.data() + t * R + rv * kW, vf{});
+      store(w.m.data() + rv * kW, m_new);
+      store(w.l.data() + rv * kW, sum);
+      store(corr_row + rv * kW, c);
+    }
+    for (int64_t rv = 0; rv < RVs && !whole; ++rv) {
       vi qp, lo;
       std::memcpy(&qp, w.qpos.data() + rv * kW, sizeof(vi));
       std::memcpy(&lo, w.lo.data() + rv * kW, sizeof(vi));
