@@ -378,7 +378,7 @@ inline void tile512(const int8_t* r, const float* e, const float* s, const int32
 #undef PAGEDLM_ROWS8
 }
 
-// tile512 over four adjacent panels (two 512-bit weight registers) and up to 4 rows: each
+// tile512 over four adjacent panels (two 512-bit weight registers) and up to 6 rows: each
 // row's broadcast of 4 activations feeds two vpdpbusd instead of one. With all data in L1
 // tile512 issues about three operations per vpdpbusd, and those, not the multiplies, bound
 // it (the same tile with one broadcast shared by all its rows, wrong but timed, ran 2.1x
@@ -390,9 +390,9 @@ template <int kRows, bool kQ4, bool kPacked>
 inline void tile512x4(const int8_t* r, const float* e, const float* s, const int32_t* c, int64_t K,
                       const uint8_t* w, int64_t wstride, const at::Half* sc, int64_t sstride,
                       float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
-  static_assert(kRows >= 1 && kRows <= 4, "up to 4 rows");
+  static_assert(kRows >= 1 && kRows <= 6, "up to 6 rows");
   const int64_t B = K / kBlock;
-#define PAGEDLM_ROWS4(X) X(0) X(1) X(2) X(3)
+#define PAGEDLM_ROWS4(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define PAGEDLM_DECL(i) __m512 f##i = _mm512_setzero_ps(), g##i = _mm512_setzero_ps(); \
   const int8_t* r##i = r + i * K;
   PAGEDLM_ROWS4(PAGEDLM_DECL)
@@ -475,7 +475,9 @@ void run_tile512x4(int rows, const int8_t* r, const float* e, const float* s, co
     case 1: PAGEDLM_TILE(1); break;
     case 2: PAGEDLM_TILE(2); break;
     case 3: PAGEDLM_TILE(3); break;
-    default: PAGEDLM_TILE(4); break;
+    case 4: PAGEDLM_TILE(4); break;
+    case 5: PAGEDLM_TILE(5); break;
+    default: PAGEDLM_TILE(6); break;
   }
 #undef PAGEDLM_TILE
 }
@@ -567,11 +569,14 @@ void panel_rows(const Quantized& qa, int64_t i_begin, int64_t i_end, int64_t K, 
   constexpr bool kQuad = false;
   static_assert(kPan <= 2, "four panels at a time need the 512-bit tiles");
 #endif
-  constexpr int kTile = kWide ? 8 : kPan == 1 ? 6 : 4;
+  constexpr int kTile = kWide ? 8 : kQuad ? 6 : kPan == 1 ? 6 : 4;
+  // Four panels take 6 rows a tile where more than 8 rows come (1.03-1.05x at 16-512 rows,
+  // `benchmarks/cpu/q8_gemm_revs.py`), 4 below (6 + 2 for 8 rows measured 0.96x).
+  const int64_t tile = kQuad && i_end - i_begin <= 8 ? 4 : kTile;
   const int64_t B = K / kBlock;
   alignas(64) float out[kTile * kPan * kCols];
-  for (int64_t i0 = i_begin; i0 < i_end; i0 += kTile) {
-    const int rows = static_cast<int>(std::min<int64_t>(kTile, i_end - i0));
+  for (int64_t i0 = i_begin; i0 < i_end; i0 += tile) {
+    const int rows = static_cast<int>(std::min<int64_t>(tile, i_end - i0));
 #ifdef PAGEDLM_Q8_VNNI512
     if constexpr (kQuad) {
       run_tile512x4<kQ4, kPacked>(rows, qa.r.data() + i0 * K, qa.e.data() + i0 * B, qa.s.data() + i0 * B,
