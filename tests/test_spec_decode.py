@@ -469,6 +469,10 @@ def test_bench_spec_decode_runs(tmp_path):
         result = report["batch1"][workload]
         assert result["off"]["output_tokens"] == result["on"]["output_tokens"] > 0
         assert result["latency_ratio_off_over_on"] > 0
+        for name in ("off", "on"):
+            m = result[name]
+            assert 0 < m["ttft_ms"] <= m["seconds"] * 1e3  # one request: its first token
+            assert 0 < m["first_token_share"] <= 1
     throughput = report["throughput"]
     assert len(throughput["pairs"]) == 2
     ratios = sorted(p["on"]["output_tokens_per_s"] / p["off"]["output_tokens_per_s"]

@@ -14,7 +14,9 @@ drafts), take the same requests:
       - sharegpt: ShareGPT as vLLM samples it (plain chat);
     ms per output token = the requests' generate time / their output tokens, and TPOT =
     the time after each request's first token / the tokens after it (greedy: both
-    engines produce the same tokens, which is checked);
+    engines produce the same tokens, which is checked); TTFT, the mean time to the first
+    token (the prompt's prefill, which speculation does not shorten), and its share of
+    the requests' time, which bounds what the whole request can gain;
   * throughput: --throughput-prompts ShareGPT requests at once (temperature 1, EOS
     ignored, as `bench throughput`), output tokens/s of each engine, --throughput-pairs
     times in alternating order; the median ratio and its range.
@@ -110,6 +112,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     per: dict[str, list[float]] = {"off": [], "on": []}
     totals = {"off": [0.0, 0], "on": [0.0, 0]}
     decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
+    first = {"off": [0.0, 0], "on": [0.0, 0]}  # to the first token: seconds, requests
     num_differing = 0
     for i, r in enumerate(requests):
         ids = chat_ids(tokenizer, r.prompt)
@@ -127,6 +130,9 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
             totals[name][0] += elapsed
             totals[name][1] += n
             m = out.metrics
+            if m is not None and m.first_token_time is not None:
+                first[name][0] += m.first_token_time - m.arrival_time
+                first[name][1] += 1
             if n > 1 and m is not None and m.first_token_time is not None:
                 decode[name][0] += m.finished_time - m.first_token_time
                 decode[name][1] += n - 1
@@ -140,6 +146,8 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
         seconds, tokens = totals[name]
         result[name] = {"ms_per_output_token": seconds * 1e3 / tokens,
                         "tpot_ms": decode[name][0] * 1e3 / max(1, decode[name][1]),
+                        "ttft_ms": first[name][0] * 1e3 / max(1, first[name][1]),
+                        "first_token_share": first[name][0] / seconds if seconds else 0.0,
                         "median_request_ms_per_token": statistics.median(per[name]),
                         "output_tokens": tokens, "seconds": seconds}
     result["latency_ratio_off_over_on"] = (result["off"]["ms_per_output_token"]
@@ -187,7 +195,9 @@ def main(args: argparse.Namespace) -> int:
               f"{result['on']['ms_per_output_token']:.2f} ms/token "
               f"({result['latency_ratio_off_over_on']:.2f}x; after the first token "
               f"{result['off']['tpot_ms']:.2f} -> {result['on']['tpot_ms']:.2f} ms, "
-              f"{result['tpot_ratio_off_over_on']:.2f}x), acceptance "
+              f"{result['tpot_ratio_off_over_on']:.2f}x; first token {result['off']['ttft_ms']:.0f} -> "
+              f"{result['on']['ttft_ms']:.0f} ms, {result['off']['first_token_share']:.0%} of the "
+              f"time without), acceptance "
               f"{result['speculation']['acceptance_rate']:.1%}, mean acceptance length "
               f"{result['speculation']['mean_acceptance_length']:.2f}"
               + (f"; {result['num_differing']} of {len(requests)} requests' greedy outputs "
