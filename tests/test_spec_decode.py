@@ -514,6 +514,7 @@ def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
 
     from pagedlm.benchmarks.datasets import SampleRequest
     from pagedlm.benchmarks.spec_decode import batch1
+    from pagedlm.outputs import RequestMetrics
 
     class Tok:
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):
@@ -529,7 +530,7 @@ def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
 
         def generate(self, prompt, params, use_tqdm):
             tokens = next(self.replies)
-            metrics = SimpleNamespace(first_token_time=0.0, finished_time=0.001)
+            metrics = RequestMetrics(arrival_time=0.0, first_token_time=0.0005, finished_time=0.001)
             return [SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens)], metrics=metrics)]
 
     requests = [SampleRequest("a", 3, 2), SampleRequest("b", 3, 2), SampleRequest("c", 3, 2)]
@@ -540,3 +541,4 @@ def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
     result = batch1({"off": Engine(off), "on": Engine(on)}, requests, allow_divergence=True)
     assert result["num_differing"] == 1 and result["num_requests"] == 3
     assert result["off"]["output_tokens"] == result["on"]["output_tokens"] == 6
+    assert result["off"]["ttft_ms"] == result["on"]["ttft_ms"] == pytest.approx(0.5)  # from the metrics

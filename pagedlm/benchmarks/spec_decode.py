@@ -131,7 +131,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
             totals[name][1] += n
             m = out.metrics
             if m is not None and m.first_token_time is not None:
-                first[name][0] += m.first_token_time - m.arrival_time
+                first[name][0] += m.time_to_first_token
                 first[name][1] += 1
             if n > 1 and m is not None and m.first_token_time is not None:
                 decode[name][0] += m.finished_time - m.first_token_time
