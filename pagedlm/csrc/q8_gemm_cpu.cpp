@@ -392,10 +392,10 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
                       float* out, const uint8_t* pf_w, const at::Half* pf_sc) {
   static_assert(kRows >= 1 && kRows <= 6, "up to 6 rows");
   const int64_t B = K / kBlock;
-#define PAGEDLM_ROWS4(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define PAGEDLM_ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
 #define PAGEDLM_DECL(i) __m512 f##i = _mm512_setzero_ps(), g##i = _mm512_setzero_ps(); \
   const int8_t* r##i = r + i * K;
-  PAGEDLM_ROWS4(PAGEDLM_DECL)
+  PAGEDLM_ROWS6(PAGEDLM_DECL)
 #undef PAGEDLM_DECL
   constexpr int64_t kBlockBytes = (kPacked ? kGroups / 2 : kGroups) * 32;  // per panel
   for (int64_t b = 0; b < B; ++b) {
@@ -410,7 +410,7 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
 #define PAGEDLM_DECL(i) \
   const int32_t c##i = kQ4 || kRows <= i ? 0 : c[i * B + b]; \
   __m512i a##i = _mm512_set1_epi32(c##i), h##i = a##i;
-    PAGEDLM_ROWS4(PAGEDLM_DECL)
+    PAGEDLM_ROWS6(PAGEDLM_DECL)
 #undef PAGEDLM_DECL
     const uint8_t* wb = w + b * kBlockBytes;
     const uint8_t* wb2 = wb + 2 * wstride;
@@ -427,7 +427,7 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     a##i = _mm512_dpbusd_epi32(a##i, w0, xb);                            \
     h##i = _mm512_dpbusd_epi32(h##i, w1, xb);                            \
   }
-      PAGEDLM_ROWS4(PAGEDLM_ROW)
+      PAGEDLM_ROWS6(PAGEDLM_ROW)
 #undef PAGEDLM_ROW
     }
     const at::Half* sb = sc + b * (kQ4 ? 16 : 8);
@@ -443,7 +443,7 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     g##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), _mm512_mul_ps(d1, ei), g##i);        \
     g##i = _mm512_fmadd_ps(m1, si, g##i);                                                  \
   }
-      PAGEDLM_ROWS4(PAGEDLM_ROW)
+      PAGEDLM_ROWS6(PAGEDLM_ROW)
 #undef PAGEDLM_ROW
     } else {
 #define PAGEDLM_ROW(i)                                                                     \
@@ -452,7 +452,7 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     f##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(a##i), _mm512_mul_ps(d0, ei), f##i);        \
     g##i = _mm512_fmadd_ps(_mm512_cvtepi32_ps(h##i), _mm512_mul_ps(d1, ei), g##i);        \
   }
-      PAGEDLM_ROWS4(PAGEDLM_ROW)
+      PAGEDLM_ROWS6(PAGEDLM_ROW)
 #undef PAGEDLM_ROW
     }
   }
@@ -461,9 +461,9 @@ inline void tile512x4(const int8_t* r, const float* e, const float* s, const int
     _mm512_storeu_ps(out + i * 4 * kCols, f##i);              \
     _mm512_storeu_ps(out + i * 4 * kCols + 2 * kCols, g##i);  \
   }
-  PAGEDLM_ROWS4(PAGEDLM_ROW)
+  PAGEDLM_ROWS6(PAGEDLM_ROW)
 #undef PAGEDLM_ROW
-#undef PAGEDLM_ROWS4
+#undef PAGEDLM_ROWS6
 }
 
 template <bool kQ4, bool kPacked>
