@@ -269,12 +269,19 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
     // no mask, and its maximum runs in four independent chains instead of one: the same
     // maximum, the same probabilities and sums.
     const bool whole = c0 >= lo_max && c0 + keys - 1 <= pos_min;
-    for (int64_t rv = 0; rv < RVs && whole; ++rv) {
+    for (int64_t rv = 0; rv < RVs; ++rv) {
+      vi qp, lo;
+      std::memcpy(&qp, w.qpos.data() + rv * kW, sizeof(vi));
+      std::memcpy(&lo, w.lo.data() + rv * kW, sizeof(vi));
+      auto visible = [&](int64_t t) {  // lanes whose row sees key c0 + t
+        const vi kp = vi{} + static_cast<int32_t>(c0 + t);
+        return (kp <= qp) & (kp >= lo);
+      };
+      const float* srv = w.s.data() + rv * kW;
       const vf m_old = load(w.m.data() + rv * kW);
       vf mx[4] = {m_old, m_old, m_old, m_old};
-      const float* srv = w.s.data() + rv * kW;
       int64_t t = 0;
-      for (; t + 4 <= keys; t += 4) {
+      for (; whole && t + 4 <= keys; t += 4) {
         for (int j = 0; j < 4; ++j) {
           const vf sv = load(srv + (t + j) * R);
           mx[j] = sv > mx[j] ? sv : mx[j];
@@ -282,47 +289,24 @@ void run_item(const Item& it, const float* q, int64_t q_row0 /*token of the sequ
       }
       for (; t < keys; ++t) {
         const vf sv = load(srv + t * R);
-        mx[0] = sv > mx[0] ? sv : mx[0];
+        mx[0] = (whole || visible(t)) && sv > mx[0] ? sv : mx[0];
       }
       mx[0] = mx[1] > mx[0] ? mx[1] : mx[0];
       mx[2] = mx[3] > mx[2] ? mx[3] : mx[2];
       const vf m_new = mx[2] > mx[0] ? mx[2] : mx[0];
       const vf c = exp_vec(m_old - m_new);
       vf sum = load(w.l.data() + rv * kW) * c;
-      for (t = 0; t < keys; ++t) {
+      for (t = 0; t < padded; ++t) {
         float* sp = w.s.data() + t * R + rv * kW;
-        const vf p = exp_vec(load(sp) - m_new);
+        vf p = vf{};
+        if (t < keys) {
+          p = exp_vec(load(sp) - m_new);
+          if (!whole) p = visible(t) ? p : vf{};
+        }
         store(sp, p);
         sum += p;
       }
-      for (; t < padded; ++t) store(w.s.data() + t * R + rv * kW, vf{});
       store(w.m.data() + rv * kW, m_new);
-      store(w.l.data() + rv * kW, sum);
-      store(corr_row + rv * kW, c);
-    }
-    for (int64_t rv = 0; rv < RVs && !whole; ++rv) {
-      vi qp, lo;
-      std::memcpy(&qp, w.qpos.data() + rv * kW, sizeof(vi));
-      std::memcpy(&lo, w.lo.data() + rv * kW, sizeof(vi));
-      const vf m_old = load(w.m.data() + rv * kW);
-      vf mx = m_old;
-      for (int64_t t = 0; t < keys; ++t) {
-        const vi kp = vi{} + static_cast<int32_t>(c0 + t);
-        const vi visible = (kp <= qp) & (kp >= lo);
-        const vf sv = load(w.s.data() + t * R + rv * kW);
-        mx = visible && sv > mx ? sv : mx;
-      }
-      const vf c = exp_vec(m_old - mx);
-      vf sum = load(w.l.data() + rv * kW) * c;
-      for (int64_t t = 0; t < padded; ++t) {
-        const vi kp = vi{} + static_cast<int32_t>(c0 + t);
-        const vi visible = (kp <= qp) & (kp >= lo) & (vi{} + (t < keys ? -1 : 0));
-        float* sp = w.s.data() + t * R + rv * kW;
-        const vf p = visible ? exp_vec(load(sp) - mx) : vf{};
-        store(sp, p);
-        sum += p;
-      }
-      store(w.m.data() + rv * kW, mx);
       store(w.l.data() + rv * kW, sum);
       store(corr_row + rv * kW, c);
     }
