@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pagedlm.engine import detokenizer as detok_mod
+from pagedlm.engine import text_stream
 from pagedlm.engine.detokenizer import IncrementalDetokenizer
 
 FFFD = "\ufffd"
@@ -132,7 +132,7 @@ ENGINES = ["decode_stream", "window", "slow"]
 
 @pytest.fixture(params=ENGINES)
 def engine(request, monkeypatch):
-    monkeypatch.setattr(detok_mod, "_USE_DECODE_STREAM", request.param == "decode_stream")
+    monkeypatch.setattr(text_stream, "_USE_DECODE_STREAM", request.param == "decode_stream")
     return request.param
 
 
@@ -193,7 +193,7 @@ def test_cjk_and_emoji_stream_cleanly(tok, engine):
     output = encode(tok, SAMPLE)
     d, deltas, stop = run_stream(tok, prompt, output)
     if engine == "decode_stream":
-        assert isinstance(d._stream, detok_mod._DecodeStreamStream)
+        assert isinstance(d._stream, text_stream._DecodeStreamStream)
     assert stop is None
     assert all(FFFD not in x for x in deltas)
     assert "".join(deltas) == d.output_text == expected_text(tok, prompt, output, True)
@@ -354,7 +354,7 @@ def test_finish_releases_incomplete_character(tok):
 
 
 def test_window_stays_small_on_long_output(sp_llama, monkeypatch):
-    monkeypatch.setattr(detok_mod, "_USE_DECODE_STREAM", False)
+    monkeypatch.setattr(text_stream, "_USE_DECODE_STREAM", False)
     slow = SlowShim(sp_llama)
     output = encode(slow, " ".join([SAMPLE] * 40))
     assert len(output) > 1000
@@ -394,8 +394,8 @@ def test_random_token_sequences(smol, sp_llama, sp_meta, data):
     output = data.draw(st.lists(token, min_size=1, max_size=14))
     chunks = data.draw(st.lists(st.integers(1, 3), min_size=len(output), max_size=len(output)))
     skip = data.draw(st.booleans())
-    old = detok_mod._USE_DECODE_STREAM
-    detok_mod._USE_DECODE_STREAM = engine == "decode_stream"
+    old = text_stream._USE_DECODE_STREAM
+    text_stream._USE_DECODE_STREAM = engine == "decode_stream"
     try:
         d, deltas, _ = run_stream(t, prompt, output, chunks=chunks, skip_special_tokens=skip)
         # final_only: the same updates, the text read once at the end.
@@ -407,7 +407,7 @@ def test_random_token_sequences(smol, sp_llama, sp_meta, data):
         assert final._pending_len == 0  # nothing decoded before the text is read
         final_text = final.get_next_output_text(True, delta=False)
     finally:
-        detok_mod._USE_DECODE_STREAM = old
+        text_stream._USE_DECODE_STREAM = old
     want = expected_text(t, prompt, output, skip)
     assert d.output_text == want
     assert "".join(deltas) == want
@@ -417,7 +417,7 @@ def test_random_token_sequences(smol, sp_llama, sp_meta, data):
 
 
 def test_decode_stream_failure_falls_back(sp_llama, monkeypatch):
-    real = detok_mod.DecodeStream
+    real = text_stream.DecodeStream
 
     class Flaky:
         """Raises on the third step, like DecodeStream's InvalidPrefix error."""
@@ -432,8 +432,8 @@ def test_decode_stream_failure_falls_back(sp_llama, monkeypatch):
                 raise Exception("Invalid prefix encountered")
             return self._inner.step(tokenizer, ids)
 
-    monkeypatch.setattr(detok_mod, "_USE_DECODE_STREAM", True)
-    monkeypatch.setattr(detok_mod, "DecodeStream", Flaky)
+    monkeypatch.setattr(text_stream, "_USE_DECODE_STREAM", True)
+    monkeypatch.setattr(text_stream, "DecodeStream", Flaky)
     prompt, output = encode(sp_llama, "Hello world,"), encode(sp_llama, SAMPLE)
     d, deltas, _ = run_stream(sp_llama, prompt, output)
     assert d._stream._fallback is not None
