@@ -473,6 +473,7 @@ def test_bench_spec_decode_runs(tmp_path):
             m = result[name]
             assert 0 < m["ttft_ms"] <= m["seconds"] * 1e3  # one request: its first token
             assert 0 < m["first_token_share"] <= 1
+            assert 0 < m["mean_tpot_ms"] <= m["seconds"] * 1e3  # 8 tokens: 7 after the first
     throughput = report["throughput"]
     assert len(throughput["pairs"]) == 2
     ratios = sorted(p["on"]["output_tokens_per_s"] / p["off"]["output_tokens_per_s"]
@@ -542,3 +543,11 @@ def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
     assert result["num_differing"] == 1 and result["num_requests"] == 3
     assert result["off"]["output_tokens"] == result["on"]["output_tokens"] == 6
     assert result["off"]["ttft_ms"] == result["on"]["ttft_ms"] == pytest.approx(0.5)  # from the metrics
+    assert result["off"]["tpot_ms"] == result["off"]["mean_tpot_ms"] == pytest.approx(0.5)
+    # Each request's tokens after its first take 0.5 ms: the last one's four here. TPOT
+    # pooled is 1.5 ms / 6 tokens; vLLM's mean TPOT, the mean of 0.5, 0.5 and 0.125 ms.
+    on = [[5, 6], [7, 1], [9, 9, 9, 9, 9]]
+    result = batch1({"off": Engine(off), "on": Engine(on)}, requests, allow_divergence=True)
+    assert result["on"]["tpot_ms"] == pytest.approx(0.25)
+    assert result["on"]["mean_tpot_ms"] == pytest.approx(0.375)
+    assert result["mean_tpot_ratio_off_over_on"] == pytest.approx(0.5 / 0.375)

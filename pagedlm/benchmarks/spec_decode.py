@@ -13,8 +13,10 @@ drafts), take the same requests:
                   prompt), where drafts from the prompt are often right;
       - sharegpt: ShareGPT as vLLM samples it (plain chat);
     ms per output token = the requests' generate time / their output tokens, and TPOT =
-    the time after each request's first token / the tokens after it (greedy: both
-    engines produce the same tokens, which is checked); TTFT, the mean time to the first
+    the time after each request's first token / the tokens after it, pooled over the
+    requests and, as vLLM's `benchmark_serving` reports it ("Mean TPOT", "excl. 1st
+    token"), the mean of each request's own (greedy: both engines produce the same
+    tokens, which is checked); TTFT, the mean time to the first
     token (the prompt's prefill, which speculation does not shorten), and its share of
     the requests' time, which bounds what the whole request can gain;
   * throughput: --throughput-prompts ShareGPT requests at once (temperature 1, EOS
@@ -113,6 +115,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     totals = {"off": [0.0, 0], "on": [0.0, 0]}
     decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
     first = {"off": [0.0, 0], "on": [0.0, 0]}  # to the first token: seconds, requests
+    tpots: dict[str, list[float]] = {"off": [], "on": []}  # each request's, ms
     num_differing = 0
     for i, r in enumerate(requests):
         ids = chat_ids(tokenizer, r.prompt)
@@ -136,6 +139,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
             if n > 1 and m is not None and m.first_token_time is not None:
                 decode[name][0] += m.finished_time - m.first_token_time
                 decode[name][1] += n - 1
+                tpots[name].append((m.finished_time - m.first_token_time) * 1e3 / (n - 1))
         if outputs["off"] != outputs["on"]:
             if not allow_divergence:
                 raise RuntimeError(f"request {i}: greedy outputs differ with speculation "
@@ -146,6 +150,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
         seconds, tokens = totals[name]
         result[name] = {"ms_per_output_token": seconds * 1e3 / tokens,
                         "tpot_ms": decode[name][0] * 1e3 / max(1, decode[name][1]),
+                        "mean_tpot_ms": statistics.fmean(tpots[name]) if tpots[name] else 0.0,
                         "ttft_ms": first[name][0] * 1e3 / max(1, first[name][1]),
                         "first_token_share": first[name][0] / seconds if seconds else 0.0,
                         "median_request_ms_per_token": statistics.median(per[name]),
@@ -153,6 +158,8 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     result["latency_ratio_off_over_on"] = (result["off"]["ms_per_output_token"]
                                            / result["on"]["ms_per_output_token"])
     result["tpot_ratio_off_over_on"] = result["off"]["tpot_ms"] / result["on"]["tpot_ms"]
+    result["mean_tpot_ratio_off_over_on"] = (result["off"]["mean_tpot_ms"] / result["on"]["mean_tpot_ms"]
+                                             if result["on"]["mean_tpot_ms"] else 0.0)
     return result
 
 
@@ -195,7 +202,8 @@ def main(args: argparse.Namespace) -> int:
               f"{result['on']['ms_per_output_token']:.2f} ms/token "
               f"({result['latency_ratio_off_over_on']:.2f}x; after the first token "
               f"{result['off']['tpot_ms']:.2f} -> {result['on']['tpot_ms']:.2f} ms, "
-              f"{result['tpot_ratio_off_over_on']:.2f}x; first token {result['off']['ttft_ms']:.0f} -> "
+              f"{result['tpot_ratio_off_over_on']:.2f}x, per-request mean "
+              f"{result['mean_tpot_ratio_off_over_on']:.2f}x; first token {result['off']['ttft_ms']:.0f} -> "
               f"{result['on']['ttft_ms']:.0f} ms, {result['off']['first_token_share']:.0%} of the "
               f"time without), acceptance "
               f"{result['speculation']['acceptance_rate']:.1%}, mean acceptance length "
