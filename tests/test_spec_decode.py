@@ -469,6 +469,8 @@ def test_bench_spec_decode_runs(tmp_path):
         result = report["batch1"][workload]
         assert result["off"]["output_tokens"] == result["on"]["output_tokens"] > 0
         assert result["latency_ratio_off_over_on"] > 0
+        (row,) = result["requests"]
+        assert row["same_output"] and row["off"]["output_tokens"] == result["off"]["output_tokens"]
         for name in ("off", "on"):
             m = result[name]
             assert 0 < m["ttft_ms"] <= m["seconds"] * 1e3  # one request: its first token
@@ -551,3 +553,9 @@ def test_bench_batch1_stops_on_differing_outputs_unless_allowed_to_count_them():
     assert result["on"]["tpot_ms"] == pytest.approx(0.25)
     assert result["on"]["mean_tpot_ms"] == pytest.approx(0.375)
     assert result["mean_tpot_ratio_off_over_on"] == pytest.approx(0.5 / 0.375)
+    rows = result["requests"]
+    assert [r["same_output"] for r in rows] == [True, False, False]
+    assert [r["on"]["output_tokens"] for r in rows] == [2, 2, 5]
+    assert [r["on"]["tpot_ms"] for r in rows] == pytest.approx([0.5, 0.5, 0.125])
+    assert all(r["prompt_tokens"] == 3 and r["max_tokens"] == 2 and r["off"]["ttft_ms"] == pytest.approx(0.5)
+               for r in rows)

@@ -18,7 +18,8 @@ drafts), take the same requests:
     token"), the mean of each request's own (greedy: both engines produce the same
     tokens, which is checked); TTFT, the mean time to the first
     token (the prompt's prefill, which speculation does not shorten), and its share of
-    the requests' time, which bounds what the whole request can gain;
+    the requests' time, which bounds what the whole request can gain; and each request's
+    own figures (the JSON's "requests");
   * throughput: --throughput-prompts ShareGPT requests at once (temperature 1, EOS
     ignored, as `bench throughput`), output tokens/s of each engine, --throughput-pairs
     times in alternating order; the median ratio and its range.
@@ -116,11 +117,13 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
     first = {"off": [0.0, 0], "on": [0.0, 0]}  # to the first token: seconds, requests
     tpots: dict[str, list[float]] = {"off": [], "on": []}  # each request's, ms
+    rows: list[dict[str, Any]] = []  # each request's figures, for the report
     num_differing = 0
     for i, r in enumerate(requests):
         ids = chat_ids(tokenizer, r.prompt)
         params = SamplingParams(temperature=0, max_tokens=r.output_len)
         outputs = {}
+        row: dict[str, Any] = {"prompt_tokens": len(ids), "max_tokens": r.output_len}
         for name in (("off", "on") if i % 2 == 0 else ("on", "off")):
             llm = engines[name]
             llm.llm_engine.reset_prefix_cache()  # neither reuses the other's prompt
@@ -133,19 +136,25 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
             totals[name][0] += elapsed
             totals[name][1] += n
             m = out.metrics
+            row[name] = {"ms": elapsed * 1e3, "output_tokens": n}
             if m is not None and m.first_token_time is not None:
                 first[name][0] += m.time_to_first_token
                 first[name][1] += 1
+                row[name]["ttft_ms"] = m.time_to_first_token * 1e3
             if n > 1 and m is not None and m.first_token_time is not None:
                 decode[name][0] += m.finished_time - m.first_token_time
                 decode[name][1] += n - 1
                 tpots[name].append((m.finished_time - m.first_token_time) * 1e3 / (n - 1))
+                row[name]["tpot_ms"] = tpots[name][-1]
+        row["same_output"] = outputs["off"] == outputs["on"]
+        rows.append(row)
         if outputs["off"] != outputs["on"]:
             if not allow_divergence:
                 raise RuntimeError(f"request {i}: greedy outputs differ with speculation "
                                    "(--allow-divergence counts such requests instead)")
             num_differing += 1
-    result: dict[str, Any] = {"num_requests": len(requests), "num_differing": num_differing}
+    result: dict[str, Any] = {"num_requests": len(requests), "num_differing": num_differing,
+                              "requests": rows}
     for name in ("off", "on"):
         seconds, tokens = totals[name]
         result[name] = {"ms_per_output_token": seconds * 1e3 / tokens,
