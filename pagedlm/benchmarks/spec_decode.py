@@ -112,12 +112,7 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     the requests that part instead (q8 weights, whose GEMM's sums depend on a step's rows;
     README, Speculative decoding)."""
     tokenizer = engines["off"].get_tokenizer()
-    per: dict[str, list[float]] = {"off": [], "on": []}
-    totals = {"off": [0.0, 0], "on": [0.0, 0]}
-    decode = {"off": [0.0, 0], "on": [0.0, 0]}  # after the first token: seconds, tokens
-    first = {"off": [0.0, 0], "on": [0.0, 0]}  # to the first token: seconds, requests
-    tpots: dict[str, list[float]] = {"off": [], "on": []}  # each request's, ms
-    rows: list[dict[str, Any]] = []  # each request's figures, for the report
+    rows: list[dict[str, Any]] = []  # each request's figures; the totals below sum them
     num_differing = 0
     for i, r in enumerate(requests):
         ids = chat_ids(tokenizer, r.prompt)
@@ -132,20 +127,13 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
             elapsed = time.perf_counter() - start
             outputs[name] = out.outputs[0].token_ids
             n = len(outputs[name])
-            per[name].append(elapsed * 1e3 / max(1, n))
-            totals[name][0] += elapsed
-            totals[name][1] += n
             m = out.metrics
             row[name] = {"ms": elapsed * 1e3, "output_tokens": n}
             if m is not None and m.first_token_time is not None:
-                first[name][0] += m.time_to_first_token
-                first[name][1] += 1
                 row[name]["ttft_ms"] = m.time_to_first_token * 1e3
-            if n > 1 and m is not None and m.first_token_time is not None:
-                decode[name][0] += m.finished_time - m.first_token_time
-                decode[name][1] += n - 1
-                tpots[name].append((m.finished_time - m.first_token_time) * 1e3 / (n - 1))
-                row[name]["tpot_ms"] = tpots[name][-1]
+                if n > 1:
+                    row[name]["decode_ms"] = (m.finished_time - m.first_token_time) * 1e3
+                    row[name]["tpot_ms"] = row[name]["decode_ms"] / (n - 1)
         row["same_output"] = outputs["off"] == outputs["on"]
         rows.append(row)
         if outputs["off"] != outputs["on"]:
@@ -156,13 +144,19 @@ def batch1(engines: dict[str, Any], requests: list[SampleRequest],
     result: dict[str, Any] = {"num_requests": len(requests), "num_differing": num_differing,
                               "requests": rows}
     for name in ("off", "on"):
-        seconds, tokens = totals[name]
+        own = [row[name] for row in rows]
+        seconds = sum(x["ms"] for x in own) / 1e3
+        tokens = sum(x["output_tokens"] for x in own)
+        ttfts = [x["ttft_ms"] for x in own if "ttft_ms" in x]
+        decoded = [x for x in own if "tpot_ms" in x]
         result[name] = {"ms_per_output_token": seconds * 1e3 / tokens,
-                        "tpot_ms": decode[name][0] * 1e3 / max(1, decode[name][1]),
-                        "mean_tpot_ms": statistics.fmean(tpots[name]) if tpots[name] else 0.0,
-                        "ttft_ms": first[name][0] * 1e3 / max(1, first[name][1]),
-                        "first_token_share": first[name][0] / seconds if seconds else 0.0,
-                        "median_request_ms_per_token": statistics.median(per[name]),
+                        "tpot_ms": (sum(x["decode_ms"] for x in decoded)
+                                    / max(1, sum(x["output_tokens"] - 1 for x in decoded))),
+                        "mean_tpot_ms": statistics.fmean(x["tpot_ms"] for x in decoded) if decoded else 0.0,
+                        "ttft_ms": sum(ttfts) / max(1, len(ttfts)),
+                        "first_token_share": sum(ttfts) / 1e3 / seconds if seconds else 0.0,
+                        "median_request_ms_per_token": statistics.median(
+                            x["ms"] / max(1, x["output_tokens"]) for x in own),
                         "output_tokens": tokens, "seconds": seconds}
     result["latency_ratio_off_over_on"] = (result["off"]["ms_per_output_token"]
                                            / result["on"]["ms_per_output_token"])
