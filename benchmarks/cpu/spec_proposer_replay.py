@@ -257,11 +257,10 @@ def main() -> None:
     print(f"step costs (ms by rows) from {args.profile}: "
           + ", ".join(f"{r}: {c:.2f}" for r, c in sorted(costs.items())))
     for workload, pairs in data.items():
-        base, _, _ = replay(pairs, costs, {}, False)
+        base, _, _ = replay(pairs, costs, {})
         print(f"{workload} ({len(pairs)} requests; without speculation {costs[1]:.2f} ms per token)")
         for name, s, extra in variants:
-            ms, steps, per_step = replay(pairs, costs, s, extra.get("resync", False),
-                                         extra.get("tree_branches", 1), extra.get("history", False))
+            ms, steps, per_step = replay(pairs, costs, s, **extra)
             print(f"  {name:24s} {ms:6.3f} ms/token after the first, {costs[1] / ms:5.3f}x over none, "
                   f"{base / ms:5.3f}x of default; {sum(steps.values())} steps ({steps.get(1, 0)} without "
                   f"drafts), {per_step:.2f} tokens per step")
